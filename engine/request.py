@@ -1,0 +1,90 @@
+"""Requests, their sampling parameters and per-request state. No arrays here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20  # top-n alternatives a request may ask for (OpenAI allows 20)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. Invalid values raise ValueError."""
+
+    n: int = 1  # sequences generated from one prompt
+    max_tokens: int | None = 16  # None: up to the context limit
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int | None = None  # None = all tokens
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict, hash=False)
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None  # None: none; k: the chosen token's logprob and the top k
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", {int(k): float(v) for k, v in dict(self.logit_bias).items()})
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, rule: str) -> ValueError:
+            return ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", "an integer >= 1")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 0):
+            raise bad("max_tokens", "an integer >= 0")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise bad("temperature", "between 0 and 100")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "in (0, 1]")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
+            raise bad("top_k", "an integer >= 1 (or unset)")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "in [0, 1]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", "between -2 and 2")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", "between -2 and 2")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise bad("repetition_penalty", "in (0, 2]")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", "an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+                raise bad(name, f"an integer between 0 and {MAX_LOGPROBS}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", "an integer")
+        for bias in self.logit_bias.values():
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be between -100 and 100, got {bias}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids this request names must exist in the model's vocabulary."""
+        for name, ids in (("logit_bias", self.logit_bias), ("stop_token_ids", self.stop_token_ids)):
+            for tid in ids:
+                if not 0 <= tid < vocab_size:
+                    raise ValueError(f"{name}: token id {tid} is outside the vocabulary (0..{vocab_size - 1})")
