@@ -8,7 +8,9 @@ function and returned, never written back.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from .env import cache_dir as _default_cache_dir
 
 # RoPE scaling kinds the runners implement.
 ROPE_SCALING_KINDS = ("llama3", "linear")
@@ -156,3 +158,71 @@ class GenerationDefaults:
     top_p: float | None = None
     top_k: int | None = None
     repetition_penalty: float | None = None
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Size of the KV pool. `kv_cache_bytes` wins; otherwise the GPU runner takes
+    `gpu_memory_utilization` of the device memory and the CPU runner `cpu_kv_cache_bytes`."""
+
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float = 0.90
+    cpu_kv_cache_bytes: int = 1 << 30
+    block_size: int = 16  # KV regions are handed out in multiples of this many slots
+    initial_decode_slots: int = 256  # output slots reserved at admission beyond the prompt
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.block_size < 1 or self.initial_decode_slots < 1:
+            raise ValueError("block_size and initial_decode_slots must be >= 1")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # sequences running at once
+    max_num_batched_tokens: int = 2048  # tokens per step (decodes + prefill chunks)
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_waiting: int = 1024  # requests queued beyond this are refused (overload)
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs}) so every running sequence can decode each step"
+            )
+
+    def model_len(self, model: ModelConfig) -> int:
+        """The context limit actually served."""
+        if self.max_model_len is None:
+            return model.max_position_embeddings
+        return self.max_model_len
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str  # path to a .gguf file or HF directory, or a known model name
+    device: str = "auto"  # "auto" | "cuda" | "cpu"
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    seed: int | None = None  # seeds the streams of requests that give no seed
+    enforce_eager: bool = False  # CUDA: run decode steps without graphs (debugging)
+    served_model_name: str | None = None
+    # CPU runner weights: "auto" = 16 bits when the C kernels compile (bfloat16 for bf16
+    # checkpoints, else float16), "float32" = the exact reference
+    cpu_weight_dtype: str = "auto"
+    cache_dir: str = field(default_factory=lambda: str(_default_cache_dir()))  # downloads, compiled kernels
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cuda", "cpu"):
+            raise ValueError(f"device must be auto, cuda or cpu, got {self.device!r}")
+        if self.cpu_weight_dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"cpu_weight_dtype must be auto, float32, float16 or bfloat16, "
+                             f"got {self.cpu_weight_dtype!r}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import enum
+import time
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # top-n alternatives a request may ask for (OpenAI allows 20)
@@ -88,3 +90,95 @@ class SamplingParams:
             for tid in ids:
                 if not 0 <= tid < vocab_size:
                     raise ValueError(f"{name}: token id {tid} is outside the vocabulary (0..{vocab_size - 1})")
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # eos, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # the client went away or the engine was asked to abort
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # not admitted, or preempted and waiting to be recomputed
+    RUNNING = "running"  # owns a KV region
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestTimings:
+    arrival: float = field(default_factory=time.monotonic)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+
+
+class Sequence:
+    """One generated continuation of a request (a request with n > 1 has n of them)."""
+
+    def __init__(self, seq_id: int, request: Request, index: int, rng_seed: int) -> None:
+        self.seq_id = seq_id
+        self.request = request
+        self.index = index  # sibling index, 0..n-1
+        self.rng_seed = rng_seed
+        self.output_token_ids: list[int] = []
+        self.num_computed = 0  # tokens whose K/V are in the sequence's region
+        self.status = SeqStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+        self.num_preemptions = 0
+        self.needs_fork = False  # n > 1: waits to copy sibling 0's prompt prefix
+        self.output_logprobs: list = []  # TokenLogprobs per output token (when asked for)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.request.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output."""
+        prompt = self.request.prompt_token_ids
+        p = len(prompt)
+        if end <= p:
+            return prompt[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return prompt[start:] + self.output_token_ids[:end - p]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.seq_id}, {self.request.request_id}#{self.index}, {self.status.value}, "
+                f"computed={self.num_computed}/{self.num_tokens})")
+
+
+class Request:
+    """A prompt, how to sample from it, and its sequences' progress."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival: float | None = None) -> None:
+        if not prompt_token_ids:
+            raise ValueError("the prompt must contain at least one token")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.timings = RequestTimings() if arrival is None else RequestTimings(arrival=arrival)
+        self.seqs: list[Sequence] = []
+        self.prompt_logprobs: list = []  # TokenLogprobs of prompt tokens 1.. (when asked for)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(len(s.output_token_ids) for s in self.seqs)

@@ -100,6 +100,12 @@ class Tokenizer:
         """Ids of the added tokens marked special (dropped by skip_special_tokens)."""
         return frozenset(i for i, tok in self.backend.get_added_tokens_decoder().items() if tok.special)
 
+    @cached_property
+    def token_bytes(self) -> list[bytes]:
+        """The exact bytes each token id stands for in generated text (added tokens:
+        their content). Concatenating them and decoding UTF-8 gives the text."""
+        return token_bytes_table(self.backend)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
@@ -126,6 +132,67 @@ class Tokenizer:
             eos_token=self.eos_token or "",
             **extra,
         )
+
+
+# ---------------------------------------------------------------------------
+# token bytes
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: printable bytes stand for themselves, the
+    other 68 byte values are shifted to code points 256 and up. char -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars = {b: chr(b) for b in printable}
+    shift = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + shift)
+            shift += 1
+    return {c: b for b, c in chars.items()}
+
+
+def _spm_piece_bytes(piece: str) -> bytes:
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        try:
+            return bytes([int(piece[3:5], 16)])
+        except ValueError:
+            pass
+    return piece.replace("\u2581", " ").encode("utf-8")
+
+
+def token_bytes_table(backend: BackendTokenizer) -> list[bytes]:
+    """Bytes of every id, from the decoder's kind: byte-level BPE (GPT-2 alphabet),
+    SentencePiece-style (\u2581 for spaces, <0xNN> byte pieces), else per-token decode."""
+    size = backend.get_vocab_size(with_added_tokens=True)
+    decoder = json.loads(backend.decoder.__getstate__()) if backend.decoder is not None else {}
+    kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders", [])}
+    added = {i: tok.content for i, tok in backend.get_added_tokens_decoder().items()}
+    table: list[bytes] = []
+    if "ByteLevel" in kinds:
+        alphabet = _byte_level_alphabet()
+        for i in range(size):
+            piece = added.get(i) if i in added else backend.id_to_token(i)
+            if piece is None:
+                table.append(b"")
+            elif i in added:
+                table.append(piece.encode("utf-8"))
+            else:
+                table.append(bytes(alphabet[c] for c in piece) if all(c in alphabet for c in piece)
+                             else piece.encode("utf-8"))
+        return table
+    spm = "ByteFallback" in kinds or "Metaspace" in kinds
+    for i in range(size):
+        if i in added:
+            table.append(added[i].encode("utf-8"))
+            continue
+        piece = backend.id_to_token(i)
+        if piece is None:
+            table.append(b"")
+        elif spm:
+            table.append(_spm_piece_bytes(piece))
+        else:
+            table.append(backend.decode([i], skip_special_tokens=False).encode("utf-8"))
+    return table
 
 
 # ---------------------------------------------------------------------------

@@ -18,8 +18,11 @@ import numpy as np
 from ..config import ModelConfig
 from ..loader.weights import Weights
 from ..outputs import RunnerOutput, SchedulerOutput
-from .packing import LayerWeights, pack_model
+from .cpu_native import W_BF16, W_F16, CpuKernels, W16, to_w16
+from .packing import LayerWeights, Matrix, pack_model
 from .sampling import sample_rows
+
+WEIGHT_KINDS = {"float16": W_F16, "bfloat16": W_BF16}
 
 PREFILL_QUERY_BLOCK = 256  # query rows per attention block in prefill (bounds the score matrix)
 
@@ -63,13 +66,25 @@ class NumpyRunner:
     device = "cpu"
 
     def __init__(self, config: ModelConfig, weights: Weights, *, num_kv_slots: int, max_model_len: int,
-                 progress: bool = True) -> None:
+                 weight_dtype: str = "float32", kernels: CpuKernels | None = None, progress: bool = True) -> None:
+        """weight_dtype "float32" is the exact reference; "float16" / "bfloat16" keep the
+        matrices in 16 bits (half the bytes read per decode step) and need `kernels`."""
         if max_model_len > num_kv_slots:
             raise ValueError(f"KV pool of {num_kv_slots} slots cannot hold one sequence of {max_model_len} tokens")
         self.config = config
         self.max_model_len = max_model_len
         self.num_kv_slots = num_kv_slots
-        self.weights = pack_model(weights, config, np.float32, progress=progress)
+        self.weight_dtype = weight_dtype
+        self.kernels = kernels
+        if weight_dtype == "float32":
+            self.weights = pack_model(weights, config, np.float32, progress=progress)
+        elif weight_dtype in WEIGHT_KINDS and kernels is not None:
+            kind = WEIGHT_KINDS[weight_dtype]
+            self.weights = pack_model(weights, config, np.float32, progress=progress,
+                                      matrix=lambda m: to_w16(m, kind))
+        else:
+            raise ValueError(f"weight_dtype {weight_dtype!r} needs the compiled CPU kernels "
+                             f"(float32, float16 or bfloat16)")
         cache_shape = (config.num_layers, num_kv_slots, config.num_kv_heads, config.head_dim)
         self.k_cache = np.zeros(cache_shape, np.float32)  # (layers, slots, kv_heads, head_dim)
         self.v_cache = np.zeros(cache_shape, np.float32)
@@ -112,23 +127,35 @@ class NumpyRunner:
         slots = batched_kv_starts[token_rows] + batched_positions  # (T,) KV slot each token writes
         cos, sin = self.rope_cos[batched_positions], self.rope_sin[batched_positions]
 
-        embed_out = w.embed_tokens[token_ids]  # (T, hidden)
+        embed_out = self._embed(token_ids)  # (T, hidden)
         residual = embed_out
         for i, layer in enumerate(w.layers):
             attn_out = self._attention_block(i, layer, residual, cos, sin, slots, seqs,
                                              batched_kv_starts, batched_kv_lens)
             residual = residual + attn_out
             norm_out = rms_norm(residual, layer.post_attention_layernorm, cfg.rms_norm_eps)
-            gate_up_out = norm_out @ layer.gate_up_proj.T  # (T, 2 inter)
+            gate_up_out = self._linear(norm_out, layer.gate_up_proj)  # (T, 2 inter)
             mlp_act = silu_mul(gate_up_out)  # (T, inter)
-            down_out = mlp_act @ layer.down_proj.T  # (T, hidden)
+            down_out = self._linear(mlp_act, layer.down_proj)  # (T, hidden)
             residual = residual + down_out
 
         if not all_logits:
             last = np.cumsum([s.num_tokens for s in seqs]) - 1
             residual = residual[last]
         final_norm_out = rms_norm(residual, w.norm, cfg.rms_norm_eps)
-        return final_norm_out @ w.lm_head.T  # logits (rows, vocab)
+        return self._linear(final_norm_out, w.lm_head)  # logits (rows, vocab)
+
+    def _linear(self, x: np.ndarray, w: Matrix) -> np.ndarray:
+        """x (T, in) @ w.T for w (out, in), float32 or 16-bit."""
+        if isinstance(w, W16):
+            return self.kernels.matmul(x, w)
+        return x @ w.T
+
+    def _embed(self, token_ids: np.ndarray) -> np.ndarray:
+        table = self.weights.embed_tokens
+        if isinstance(table, W16):
+            return self.kernels.widen(W16(table.bits[token_ids], table.kind))
+        return table[token_ids]
 
     # ------------------------------------------------------------- attention
 
@@ -138,7 +165,7 @@ class NumpyRunner:
         cfg = self.config
         T = residual.shape[0]
         norm_out = rms_norm(residual, layer.input_layernorm, cfg.rms_norm_eps)
-        qkv_out = norm_out @ layer.qkv_proj.T  # (T, q_size + 2 kv_size)
+        qkv_out = self._linear(norm_out, layer.qkv_proj)  # (T, q_size + 2 kv_size)
         if layer.qkv_bias is not None:
             qkv_out += layer.qkv_bias
         q, k, v = np.split(qkv_out, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=1)
@@ -157,7 +184,7 @@ class NumpyRunner:
             if s.num_tokens > 1:
                 attn_out[start:start + s.num_tokens] = self._prefill_attention(
                     i, q[start:start + s.num_tokens], s.kv_start, s.start_pos)
-        o_proj_out = attn_out.reshape(T, cfg.q_size) @ layer.o_proj.T  # (T, hidden)
+        o_proj_out = self._linear(attn_out.reshape(T, cfg.q_size), layer.o_proj)  # (T, hidden)
         if layer.o_bias is not None:
             o_proj_out += layer.o_bias
         return o_proj_out

@@ -1,0 +1,341 @@
+"""The engine: scheduler -> runner -> scheduler.update -> detokenize -> outputs.
+
+`Engine.step()` runs one step on the caller's thread (the offline `LLM` does this);
+`Engine.start()` runs steps on a thread of their own for a server, which talks to it
+through the thread-safe `add_request` / `abort` and per-request async streams. The
+scheduler and runner are only ever touched by the thread that steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import threading
+import time
+import uuid
+from collections import deque
+from pathlib import Path
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+from .config import EngineConfig
+from .detokenize import IncrementalDetokenizer
+from .kv_cache import KVCache
+from .loader import LoadedModel, load_model
+from .outputs import TokenLogprobs
+from .request import FinishReason, Request, RequestTimings, SamplingParams, Sequence
+from .runner import make_runner
+from .scheduler import QueueFullError, Scheduler
+
+log = logging.getLogger("cuserve.engine")
+
+_MASK64 = (1 << 64) - 1
+
+__all__ = ["CompletionOutput", "Engine", "EngineDeadError", "QueueFullError", "RequestOutput"]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped; no request can be served."""
+
+
+@dataclass
+class CompletionOutput:
+    """One sequence's part of a RequestOutput: a delta while streaming."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]  # the sequences with something new
+    finished: bool = False
+    prompt_logprobs: list[TokenLogprobs] | None = None  # sent once, with the first output
+    num_generated_tokens: int = 0  # all sequences, so far
+    timings: RequestTimings | None = None
+    error: str | None = None  # the engine failed this request
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+Sink = Callable[[RequestOutput], None]
+
+
+@dataclass
+class _Tracked:
+    request: Request
+    sink: Sink
+    detoks: list[IncrementalDetokenizer]
+    sent_tokens: list[int]  # per sequence: output tokens already delivered
+    sent_prompt_logprobs: bool = False
+
+
+@dataclass
+class EngineStats:
+    """Counters since start (the server's /metrics reads them)."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    requests_finished: dict[str, int] = field(default_factory=dict)  # finish reason -> count
+    steps: int = 0
+    step_errors: int = 0
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, model: LoadedModel | None = None, runner=None) -> None:
+        self.config = config
+        self.model = model if model is not None else load_model(config.model, Path(config.cache_dir))
+        if self.model.tokenizer is None:
+            raise ValueError("the engine needs the model's tokenizer")
+        self.tokenizer = self.model.tokenizer
+        self.model_config = self.model.config
+        self.runner = runner if runner is not None else make_runner(config, self.model)
+        kv = KVCache(self.runner.num_kv_slots, config.cache.block_size)
+        self.max_model_len = min(config.scheduler.model_len(self.model_config), kv.num_slots)
+        self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len,
+                                   config.cache.initial_decode_slots, self.tokenizer.eos_token_ids)
+        self.stats = EngineStats()
+        self._rng = random.Random(config.seed)
+        self._tracked: dict[str, _Tracked] = {}
+        self._inbox: deque[tuple[str, object]] = deque()
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.dead: BaseException | None = None
+        self.on_step: Callable[[Engine, float], None] | None = None  # observer: (engine, step seconds)
+
+    # ------------------------------------------------------------------ api
+
+    @property
+    def served_model_name(self) -> str:
+        return self.config.served_model_name or self.config.model
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError for a request that can never run here."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt must contain at least one token")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        params.check_vocab(vocab)
+        n_prompt = len(prompt_token_ids)
+        if n_prompt >= self.max_model_len:
+            raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens, but the "
+                             f"prompt has {n_prompt} tokens, which leaves no room for output")
+        if params.max_tokens is not None and n_prompt + params.max_tokens > self.max_model_len:
+            raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                             f"you requested {n_prompt + params.max_tokens} tokens ({n_prompt} in the prompt, "
+                             f"{params.max_tokens} for the completion). Please reduce the prompt or max_tokens.")
+        if params.n > self.config.scheduler.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs ({self.config.scheduler.max_num_seqs})")
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, sink: Sink,
+                    request_id: str | None = None, arrival: float | None = None) -> str:
+        """Queue a request (any thread). Raises ValueError or QueueFullError at once."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine stopped: {self.dead!r}")
+        self.check_request(prompt_token_ids, params)
+        if len(self._inbox) + self.scheduler.num_waiting >= self.config.scheduler.max_waiting:
+            raise QueueFullError(f"server overloaded: {self.config.scheduler.max_waiting} requests are waiting")
+        request_id = request_id or uuid.uuid4().hex
+        request = Request(request_id, prompt_token_ids, params, arrival=arrival)
+        with self._wake:
+            self._inbox.append(("add", (request, sink)))
+            self._wake.notify()
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request in whatever state it is (any thread); its sink gets a final output."""
+        with self._wake:
+            self._inbox.append(("abort", request_id))
+            self._wake.notify()
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs (deltas) in asyncio code; the engine must be started.
+
+        Closing the iterator early (a client went away) aborts the request.
+        """
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        rid = self.add_request(prompt_token_ids, params,
+                               lambda out: loop.call_soon_threadsafe(queue.put_nowait, out), request_id)
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    # ------------------------------------------------------------ the loop
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._loop, name="cuserve-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def has_work(self) -> bool:
+        return bool(self._inbox) or self.scheduler.has_work()
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._wake:
+                    while not self._stopping and not self.has_work():
+                        self._wake.wait()
+                    if self._stopping:
+                        return
+                self.step()
+        except BaseException as exc:  # a bug in the loop itself: fail everything, loudly
+            log.exception("engine loop died")
+            self.dead = exc
+            self._fail_all(f"engine stopped: {exc!r}")
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns (and delivers) the outputs it produced."""
+        outputs = self._drain_inbox()
+        if not self.scheduler.has_work():
+            return outputs
+        started = time.perf_counter()
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty:
+            return outputs
+        try:
+            result = self.runner.execute(sched_out)
+        except Exception as exc:  # keep serving the others: fail only this step's requests
+            log.exception("runner failed on step %d", sched_out.step)
+            self.stats.step_errors += 1
+            failed = {seq.request.request_id for row in sched_out.seqs
+                      if (seq := self.scheduler.get_seq(row.seq_id)) is not None}
+            for request_id in failed:
+                outputs.append(self._fail(request_id, f"internal error while generating: {exc!r}"))
+            return outputs
+        touched = self.scheduler.update(sched_out, result)
+        self.stats.steps += 1
+        outputs += self._emit(touched)
+        if self.on_step is not None:
+            self.on_step(self, time.perf_counter() - started)
+        return outputs
+
+    # ------------------------------------------------------------ internals
+
+    def _drain_inbox(self) -> list[RequestOutput]:
+        outputs = []
+        while self._inbox:
+            kind, item = self._inbox.popleft()
+            if kind == "add":
+                request, sink = item
+                try:
+                    self.scheduler.add_request(request, self._rng_seeds(request.params))
+                except (ValueError, QueueFullError) as exc:
+                    out = RequestOutput(request.request_id, request.prompt_token_ids, [], finished=True,
+                                        error=str(exc))
+                    sink(out)
+                    outputs.append(out)
+                    continue
+                self._tracked[request.request_id] = self._track(request, sink)
+                self.stats.prompt_tokens += request.num_prompt_tokens
+            else:
+                request = self.scheduler.abort(item)
+                if request is not None:
+                    outputs += self._emit([s for s in request.seqs])
+        return outputs
+
+    def _rng_seeds(self, params: SamplingParams) -> list[int]:
+        if params.seed is None:
+            return [self._rng.getrandbits(64) for _ in range(params.n)]
+        base = (params.seed * 0x9E3779B97F4A7C15) & _MASK64
+        return [(base + i) & _MASK64 for i in range(params.n)]
+
+    def _track(self, request: Request, sink: Sink) -> _Tracked:
+        p = request.params
+        detoks = [IncrementalDetokenizer(self.tokenizer.token_bytes, self.tokenizer.special_ids, p.stop,
+                                         p.skip_special_tokens, p.include_stop_str_in_output)
+                  for _ in range(p.n)]
+        return _Tracked(request, sink, detoks, [0] * p.n)
+
+    def _emit(self, touched: list[Sequence]) -> list[RequestOutput]:
+        """Detokenize what the touched sequences got and deliver one output per request."""
+        now = time.monotonic()
+        by_request: dict[str, list[Sequence]] = {}
+        for seq in touched:
+            by_request.setdefault(seq.request.request_id, []).append(seq)
+        outputs = []
+        for request_id, seqs in by_request.items():
+            tracked = self._tracked.get(request_id)
+            if tracked is None:
+                continue
+            request = tracked.request
+            pieces = []
+            for seq in seqs:
+                new = seq.output_token_ids[tracked.sent_tokens[seq.index]:]
+                detok = tracked.detoks[seq.index]
+                delta = detok.push(new)
+                if delta.stop is not None and not seq.is_finished:
+                    self.scheduler.finish(seq, FinishReason.STOP, delta.stop)
+                text = delta.text + (detok.flush() if seq.is_finished else "")
+                lps = None
+                if request.params.logprobs is not None:
+                    lps = seq.output_logprobs[tracked.sent_tokens[seq.index]:]
+                tracked.sent_tokens[seq.index] = len(seq.output_token_ids)
+                self.stats.generation_tokens += len(new)
+                if new and request.timings.first_token is None:
+                    request.timings.first_token = now
+                if new:
+                    request.timings.last_token = now
+                reason = seq.finish_reason.value if seq.finish_reason is not None else None
+                pieces.append(CompletionOutput(seq.index, text, list(new), lps, reason, seq.stop_reason))
+            out = RequestOutput(request_id, request.prompt_token_ids, pieces,
+                                num_generated_tokens=request.num_generated_tokens)
+            if request.params.prompt_logprobs is not None and not tracked.sent_prompt_logprobs:
+                out.prompt_logprobs = list(request.prompt_logprobs)
+                tracked.sent_prompt_logprobs = True
+            if request.is_finished:
+                out.finished = True
+                request.timings.finished = now
+                out.timings = request.timings
+                del self._tracked[request_id]
+                for seq in request.seqs:
+                    key = seq.finish_reason.value
+                    self.stats.requests_finished[key] = self.stats.requests_finished.get(key, 0) + 1
+            tracked.sink(out)
+            outputs.append(out)
+        return outputs
+
+    def _fail(self, request_id: str, message: str) -> RequestOutput:
+        request = self.scheduler.abort(request_id)
+        tracked = self._tracked.pop(request_id, None)
+        prompt = request.prompt_token_ids if request is not None else []
+        out = RequestOutput(request_id, prompt, [], finished=True, error=message)
+        if tracked is not None:
+            tracked.sink(out)
+        return out
+
+    def _fail_all(self, message: str) -> None:
+        for request_id in list(self._tracked):
+            try:
+                self._fail(request_id, message)
+            except Exception:  # noqa: BLE001 - best effort while dying
+                log.exception("could not fail request %s", request_id)

@@ -1,0 +1,309 @@
+"""Continuous batching. Pure Python: no arrays (DESIGN.md).
+
+Each step, in this order, within `max_num_batched_tokens`:
+  1. running sequences with one pending token decode (their region grows first if
+     full, preempting the most recently admitted sequences when memory is short);
+  2. running sequences part-way through their prompt get their next chunk;
+  3. preempted sequences, then waiting requests in arrival order, are admitted while
+     `max_num_seqs` and KV memory allow, and get a first chunk.
+A request with n > 1 prefills its prompt (all but the last token) once, in sibling
+0's region; the siblings copy that prefix (a KVCopy) and all n then run the last
+prompt token as their first decode, each sampling from its own stream.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from .config import SchedulerConfig
+from .kv_cache import KVCache
+from .outputs import KVCopy, RunnerOutput, ScheduledSeq, SchedulerOutput
+from .request import FinishReason, Request, Sequence, SeqStatus
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at `max_waiting`: the engine is overloaded, retry later."""
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCache, max_model_len: int,
+                 initial_decode_slots: int = 256, eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.config = config
+        self.kv = kv_cache
+        self.max_model_len = max_model_len
+        self.initial_decode_slots = initial_decode_slots
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Request] = deque()  # not yet admitted, arrival order
+        self.preempted: deque[Sequence] = deque()  # admitted once, waiting to be recomputed
+        self.running: list[Sequence] = []  # own a KV region, in admission order
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self._seqs: dict[int, Sequence] = {}
+        self._next_seq_id = 0
+        self._step = 0
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------ requests
+
+    def add_request(self, request: Request, rng_seeds: list[int]) -> None:
+        """Queue a request; its n sequences draw from `rng_seeds` (one per sequence)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if len(self.waiting) >= self.config.max_waiting:
+            raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(f"prompt of {request.num_prompt_tokens} tokens leaves no room to generate "
+                             f"within the context limit of {self.max_model_len} tokens")
+        n = request.params.n
+        if n > self.config.max_num_seqs:
+            raise ValueError(f"n={n} exceeds max_num_seqs ({self.config.max_num_seqs})")
+        if self.kv.round_up(self._initial_capacity(request, 0)) * n > self.kv.num_slots:
+            raise ValueError(f"the KV pool ({self.kv.num_slots} slots) cannot hold this request's "
+                             f"{n} x {request.num_prompt_tokens}-token prompt")
+        for index in range(n):
+            seq = Sequence(self._next_seq_id, request, index, rng_seeds[index])
+            self._next_seq_id += 1
+            request.seqs.append(seq)
+            self._seqs[seq.seq_id] = seq
+        for seq in request.seqs[1:]:
+            seq.needs_fork = True  # copy the prefix from sibling 0 rather than prefill
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Finish every sequence of the request (any state) and free its memory."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request in self.waiting:
+            self.waiting.remove(request)
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.finish(seq, FinishReason.ABORT)
+        return request
+
+    def finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        if seq.is_finished:
+            return
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+            self.kv.free(seq.seq_id)
+        elif seq in self.preempted:
+            self.preempted.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        del self._seqs[seq.seq_id]
+        if seq.request.is_finished:
+            self.requests.pop(seq.request.request_id, None)
+
+    # ------------------------------------------------------------ queries
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.preempted)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def get_seq(self, seq_id: int) -> Sequence | None:
+        return self._seqs.get(seq_id)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.preempted or self.waiting)
+
+    # ------------------------------------------------------------ capacity
+
+    def _max_len(self, seq_or_request) -> int:
+        """Tokens a sequence may reach: prompt + max_tokens, within the context limit."""
+        request = seq_or_request.request if isinstance(seq_or_request, Sequence) else seq_or_request
+        max_tokens = request.params.max_tokens
+        if max_tokens is None:
+            return self.max_model_len
+        return min(self.max_model_len, request.num_prompt_tokens + max_tokens)
+
+    def _initial_capacity(self, request: Request, num_tokens: int) -> int:
+        """Slots to reserve on admission: what is there plus a first stretch of output."""
+        base = max(num_tokens, request.num_prompt_tokens)
+        return max(1, min(self._max_len(request), base + self.initial_decode_slots))
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq.seq_id)
+        seq.status = SeqStatus.WAITING
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        seq.needs_fork = False
+        if seq.index == 0:  # siblings waiting for its prefix prefill on their own instead
+            for sib in seq.request.seqs[1:]:
+                sib.needs_fork = False
+        self.preempted.appendleft(seq)
+
+    def _ensure_capacity(self, seq: Sequence, kv_len: int, copies: list[KVCopy]) -> bool:
+        """Make seq's region hold kv_len tokens; False if seq itself had to be preempted."""
+        start, capacity = self.kv.region(seq.seq_id)
+        if kv_len <= capacity:
+            return True
+        target = min(self._max_len(seq), max(kv_len, 2 * capacity))
+        while not self.kv.can_grow(seq.seq_id, target):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        old_start = self.kv.grow(seq.seq_id, target)
+        if old_start is not None and seq.num_computed:
+            copies.append(KVCopy(old_start, self.kv.region(seq.seq_id)[0], seq.num_computed))
+        return True
+
+    # ------------------------------------------------------------ schedule
+
+    def _row(self, seq: Sequence, end: int) -> ScheduledSeq:
+        request = seq.request
+        sample = end == seq.num_tokens and request.params.max_tokens != 0
+        want_prompt_lp = (request.params.prompt_logprobs is not None and seq.index == 0
+                          and seq.num_preemptions == 0 and seq.num_computed < request.num_prompt_tokens)
+        return ScheduledSeq(
+            seq_id=seq.seq_id,
+            token_ids=seq.token_slice(seq.num_computed, end),
+            start_pos=seq.num_computed,
+            kv_start=self.kv.region(seq.seq_id)[0],
+            sample=sample,
+            sampling=request.params,
+            output_token_ids=seq.output_token_ids,
+            prompt_token_ids=request.prompt_token_ids,
+            want_prompt_logprobs=want_prompt_lp,
+            rng_seed=seq.rng_seed,
+        )
+
+    def _prefill_target(self, seq: Sequence) -> int:
+        """How far this sequence's chunks go: all its tokens, or the shared prefix."""
+        if seq.index == 0 and any(s.needs_fork for s in seq.request.seqs):
+            return max(seq.request.num_prompt_tokens - 1, 0)
+        return seq.num_tokens
+
+    def _fork_siblings(self, seq0: Sequence, copies: list[KVCopy]) -> None:
+        prefix = seq0.request.num_prompt_tokens - 1
+        for sib in seq0.request.seqs[1:]:
+            if sib.needs_fork and sib.status is SeqStatus.RUNNING:
+                if prefix:
+                    copies.append(KVCopy(self.kv.region(seq0.seq_id)[0], self.kv.region(sib.seq_id)[0], prefix))
+                sib.num_computed = prefix
+                sib.needs_fork = False
+
+    def _admit(self, seqs: list[Sequence], capacities: list[int]) -> bool:
+        if len(self.running) + len(seqs) > self.config.max_num_seqs:
+            return False
+        if not self.kv.can_allocate(capacities):
+            return False
+        for seq, capacity in zip(seqs, capacities):
+            self.kv.allocate(seq.seq_id, capacity)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+        return True
+
+    def schedule(self) -> SchedulerOutput:
+        self._step += 1
+        budget = self.config.max_num_batched_tokens
+        rows: list[ScheduledSeq] = []
+        copies: list[KVCopy] = []
+
+        # forks whose prefix is ready: the siblings join the decodes below
+        for seq in self.running:
+            if seq.index == 0 and seq.request.params.n > 1 and seq.num_computed >= self._prefill_target(seq):
+                self._fork_siblings(seq, copies)
+
+        # 1. decodes
+        for seq in list(self.running):
+            if seq.status is not SeqStatus.RUNNING or seq.needs_fork:
+                continue
+            if seq.num_tokens - seq.num_computed != 1 or self._prefill_target(seq) != seq.num_tokens:
+                continue
+            if budget < 1:
+                break
+            if not self._ensure_capacity(seq, seq.num_computed + 1, copies):
+                continue
+            rows.append(self._row(seq, seq.num_tokens))
+            budget -= 1
+
+        # 2. prompts part-way through
+        decoding = {r.seq_id for r in rows}
+        for seq in self.running:
+            if budget < 1:
+                break
+            if seq.needs_fork or seq.seq_id in decoding:
+                continue
+            target = self._prefill_target(seq)
+            if target - seq.num_computed < 1:
+                continue
+            end = min(target, seq.num_computed + budget)
+            rows.append(self._row(seq, end))
+            budget -= end - seq.num_computed
+
+        # 3. admissions: preempted sequences first, then new requests
+        while budget > 0 and self.preempted:
+            seq = self.preempted[0]
+            if not self._admit([seq], [self._initial_capacity(seq.request, seq.num_tokens)]):
+                break
+            self.preempted.popleft()
+            end = min(self._prefill_target(seq), budget)
+            rows.append(self._row(seq, end))
+            budget -= end
+        while budget > 0 and self.waiting and not self.preempted:
+            request = self.waiting[0]
+            capacity = self._initial_capacity(request, request.num_prompt_tokens)
+            if not self._admit(request.seqs, [capacity] * len(request.seqs)):
+                break
+            self.waiting.popleft()
+            if request.timings.first_scheduled is None:
+                request.timings.first_scheduled = time.monotonic()
+            seq0 = request.seqs[0]
+            target = self._prefill_target(seq0)
+            if target == 0:  # one-token prompt and n > 1: nothing to share, all decode next step
+                self._fork_siblings(seq0, copies)
+                continue
+            end = min(target, budget)
+            rows.append(self._row(seq0, end))
+            budget -= end
+
+        return SchedulerOutput(seqs=rows, kv_copies=copies, step=self._step)
+
+    # ------------------------------------------------------------ update
+
+    def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[Sequence]:
+        """Apply a step's results; returns the sequences that got a token or finished."""
+        touched: list[Sequence] = []
+        for row in out.seqs:
+            seq = self._seqs.get(row.seq_id)
+            if seq is None or seq.status is not SeqStatus.RUNNING:
+                continue  # aborted meanwhile
+            seq.num_computed = row.kv_len
+            request = seq.request
+            if row.want_prompt_logprobs and row.seq_id in result.prompt_logprobs:
+                request.prompt_logprobs.extend(result.prompt_logprobs[row.seq_id])
+            if row.sample:
+                token = result.sampled[row.seq_id]
+                seq.output_token_ids.append(token)
+                if row.seq_id in result.logprobs:
+                    seq.output_logprobs.append(result.logprobs[row.seq_id])
+                self._check_stop(seq, token)
+                touched.append(seq)
+            elif request.params.max_tokens == 0 and seq.num_computed >= request.num_prompt_tokens:
+                self.finish(seq, FinishReason.LENGTH)
+                touched.append(seq)
+        return touched
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        params = seq.request.params
+        n_out = len(seq.output_token_ids)
+        if n_out >= params.min_tokens:
+            if token in params.stop_token_ids:
+                return self.finish(seq, FinishReason.STOP, token)
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return self.finish(seq, FinishReason.STOP)
+        if params.max_tokens is not None and n_out >= params.max_tokens:
+            return self.finish(seq, FinishReason.LENGTH)
+        if seq.num_tokens >= self.max_model_len:
+            return self.finish(seq, FinishReason.LENGTH)
+        return None
