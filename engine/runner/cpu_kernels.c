@@ -63,39 +63,34 @@ static inline float hsum(__m256 v) {
 }
 #endif
 
-#define ROWS 8  // x rows per pass over a weight row (the weight row stays in L1)
+#define ROWS 4  // x rows per pass over a weight row (the weight row stays in L1)
 
-// one weight row against `rows` (1..ROWS) rows of x; y[r * ldy] = dot(x[r], wrow)
+// One weight row against `rows` (1..ROWS) rows of x: y[r * ldy] = dot(x[r], wrow).
+// Every row is summed in the same order (two interleaved chains of 8 lanes, then
+// the scalar tail) whatever `rows` is, so a row's result does not depend on the
+// batch around it (batch invariance).
 static void dot_rows(const float *x, const uint16_t *wrow, float *y, int64_t rows, int64_t K, int64_t ldy,
                      int kind) {
     int64_t k = 0;
     float acc[ROWS] = {0};
 #ifdef HAVE_AVX2
-    if (rows == 1) {  // decode at batch 1: two chains to hide FMA latency
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0;
-        for (; k + 16 <= K; k += 16) {
-            a0 = _mm256_fmadd_ps(load8(wrow + k, kind), _mm256_loadu_ps(x + k), a0);
-            a1 = _mm256_fmadd_ps(load8(wrow + k + 8, kind), _mm256_loadu_ps(x + k + 8), a1);
-        }
-        for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(load8(wrow + k, kind), _mm256_loadu_ps(x + k), a0);
-        acc[0] = hsum(_mm256_add_ps(a0, a1));
-    } else {
-        __m256 a[ROWS];
-        for (int r = 0; r < ROWS; r++) a[r] = _mm256_setzero_ps();
-        if (rows == ROWS) {  // full block: constant trip count, accumulators stay in registers
-            for (; k + 8 <= K; k += 8) {
-                __m256 w = load8(wrow + k, kind);
-                for (int r = 0; r < ROWS; r++) a[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * K + k), a[r]);
-            }
-        } else {
-            for (; k + 8 <= K; k += 8) {
-                __m256 w = load8(wrow + k, kind);
-                for (int r = 0; r < ROWS; r++)
-                    if (r < rows) a[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * K + k), a[r]);
+    __m256 a[ROWS][2];
+    for (int r = 0; r < ROWS; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
+    for (; k + 16 <= K; k += 16) {
+        __m256 w0 = load8(wrow + k, kind), w1 = load8(wrow + k + 8, kind);
+        for (int r = 0; r < ROWS; r++) {
+            if (r < rows) {
+                a[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * K + k), a[r][0]);
+                a[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * K + k + 8), a[r][1]);
             }
         }
-        for (int r = 0; r < rows; r++) acc[r] = hsum(a[r]);
     }
+    for (; k + 8 <= K; k += 8) {
+        __m256 w0 = load8(wrow + k, kind);
+        for (int r = 0; r < ROWS; r++)
+            if (r < rows) a[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * K + k), a[r][0]);
+    }
+    for (int r = 0; r < rows; r++) acc[r] = hsum(_mm256_add_ps(a[r][0], a[r][1]));
 #endif
     for (; k < K; k++) {
         float w = w_to_float(wrow[k], kind);
@@ -115,7 +110,7 @@ void matmul_w16(const float *x, const uint16_t *w, float *y, int64_t M, int64_t 
     }
 }
 
-// 16-bit weights -> float32 (for large-M products, which go through BLAS instead)
+// 16-bit weights -> float32 (embedding rows; tests)
 void widen_w16(const uint16_t *w, float *out, int64_t count, int kind) {
     #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < count; i += 4096) {

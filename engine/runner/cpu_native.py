@@ -25,7 +25,6 @@ log = logging.getLogger("cuserve.cpu")
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 W_F16, W_BF16 = 0, 1
-LARGE_M = 16  # from this many rows on, widen the weights and use BLAS instead
 
 
 @dataclass
@@ -77,12 +76,7 @@ class CpuKernels:
         N = w.bits.shape[0]
         if w.bits.shape[1] != K:
             raise ValueError(f"matmul: x has {K} columns, weights {w.bits.shape}")
-        if M >= LARGE_M:  # compute-bound: widen a block of rows at a time and use BLAS
-            out = np.empty((M, N), np.float32)
-            block = max(1, (1 << 22) // K)
-            for r in range(0, N, block):
-                out[:, r:r + block] = x @ self.widen(w, slice(r, r + block)).T
-            return out
+        # one kernel for every M: a row's result never depends on the rest of the batch
         out = np.empty((M, N), np.float32)
         self._matmul(x.ctypes.data, w.bits.ctypes.data, out.ctypes.data, M, N, K, w.kind)
         return out

@@ -199,15 +199,17 @@ class NumpyRunner:
         if cfg.sliding_window is not None:
             valid &= offsets[None, :] > (kv_lens[:, None] - 1 - cfg.sliding_window)
         gather = kv_starts[:, None] + np.where(valid, offsets[None, :], 0)  # (B, max_len) slots
-        keys = self.k_cache[i][gather]  # (B, max_len, kv_heads, head_dim)
-        values = self.v_cache[i][gather]
-        qg = q.reshape(B, cfg.num_kv_heads, cfg.group_size, cfg.head_dim)
+        # float64 here: rows are padded to the longest context of the batch, and the
+        # padding must not change a row's float32 result (batch invariance)
+        keys = self.k_cache[i][gather].astype(np.float64)  # (B, max_len, kv_heads, head_dim)
+        values = self.v_cache[i][gather].astype(np.float64)
+        qg = q.reshape(B, cfg.num_kv_heads, cfg.group_size, cfg.head_dim).astype(np.float64)
         scores = qg @ keys.transpose(0, 2, 3, 1)  # (B, kv_heads, group, max_len)
         scores *= cfg.softmax_scale
         scores = np.where(valid[:, None, None, :], scores, -np.inf)
         probs = softmax_lastdim(scores)
         out = probs @ values.transpose(0, 2, 1, 3)  # (B, kv_heads, group, head_dim)
-        return out.reshape(B, cfg.num_heads, cfg.head_dim)
+        return out.reshape(B, cfg.num_heads, cfg.head_dim).astype(np.float32)
 
     def _prefill_attention(self, i: int, q: np.ndarray, kv_start: int, start_pos: int) -> np.ndarray:
         """Causal attention of one sequence's chunk over its whole context. q: (n, heads, head_dim)."""
