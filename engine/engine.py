@@ -23,7 +23,7 @@ from .config import EngineConfig
 from .detokenize import IncrementalDetokenizer
 from .kv_cache import KVCache
 from .loader import LoadedModel, load_model
-from .outputs import TokenLogprobs
+from .outputs import RunnerOutput, ScheduledSeq, SchedulerOutput, TokenLogprobs
 from .request import FinishReason, Request, RequestTimings, SamplingParams, Sequence
 from .runner import make_runner
 from .scheduler import QueueFullError, Scheduler
@@ -168,8 +168,11 @@ class Engine:
         """
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        rid = self.add_request(prompt_token_ids, params,
-                               lambda out: loop.call_soon_threadsafe(queue.put_nowait, out), request_id)
+
+        def sink(out: RequestOutput) -> None:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(queue.put_nowait, out)
+        rid = self.add_request(prompt_token_ids, params, sink, request_id)
         finished = False
         try:
             while not finished:
@@ -224,14 +227,12 @@ class Engine:
             return outputs
         try:
             result = self.runner.execute(sched_out)
-        except Exception as exc:  # keep serving the others: fail only this step's requests
-            log.exception("runner failed on step %d", sched_out.step)
+        except Exception:  # keep serving the others: find and fail only the requests at fault
+            log.exception("runner failed on step %d; retrying its requests one by one", sched_out.step)
             self.stats.step_errors += 1
-            failed = {seq.request.request_id for row in sched_out.seqs
-                      if (seq := self.scheduler.get_seq(row.seq_id)) is not None}
-            for request_id in failed:
+            result, failed = self._execute_isolated(sched_out)
+            for request_id, exc in failed.items():
                 outputs.append(self._fail(request_id, f"internal error while generating: {exc!r}"))
-            return outputs
         touched = self.scheduler.update(sched_out, result)
         self.stats.steps += 1
         outputs += self._emit(touched)
@@ -240,6 +241,32 @@ class Engine:
         return outputs
 
     # ------------------------------------------------------------ internals
+
+    def _execute_isolated(self, out: SchedulerOutput) -> tuple[RunnerOutput, dict[str, Exception]]:
+        """Run a failed step again, one request at a time.
+
+        Safe to repeat: a retry writes the same K/V into the same slots (positions the
+        scheduler has not yet counted as computed), and the KV copies, which only read
+        and write counted positions, give the same result when replayed in order.
+        """
+        groups: dict[str, list[ScheduledSeq]] = {}
+        for row in out.seqs:
+            seq = self.scheduler.get_seq(row.seq_id)
+            if seq is not None:
+                groups.setdefault(seq.request.request_id, []).append(row)
+        merged, failed = RunnerOutput(), {}
+        copies = out.kv_copies
+        for request_id, rows in groups.items():
+            try:
+                part = self.runner.execute(SchedulerOutput(rows, kv_copies=copies, step=out.step))
+                copies = []
+            except Exception as exc:  # noqa: BLE001 - this request is the one at fault
+                failed[request_id] = exc
+                continue
+            merged.sampled.update(part.sampled)
+            merged.logprobs.update(part.logprobs)
+            merged.prompt_logprobs.update(part.prompt_logprobs)
+        return merged, failed
 
     def _drain_inbox(self) -> list[RequestOutput]:
         outputs = []
@@ -252,7 +279,7 @@ class Engine:
                 except (ValueError, QueueFullError) as exc:
                     out = RequestOutput(request.request_id, request.prompt_token_ids, [], finished=True,
                                         error=str(exc))
-                    sink(out)
+                    self._deliver(_Tracked(request, sink, [], []), out)
                     outputs.append(out)
                     continue
                 self._tracked[request.request_id] = self._track(request, sink)
@@ -320,9 +347,18 @@ class Engine:
                 for seq in request.seqs:
                     key = seq.finish_reason.value
                     self.stats.requests_finished[key] = self.stats.requests_finished.get(key, 0) + 1
-            tracked.sink(out)
+            self._deliver(tracked, out)
             outputs.append(out)
         return outputs
+
+    def _deliver(self, tracked: _Tracked, out: RequestOutput) -> None:
+        """Hand an output to its consumer; a consumer that fails is dropped, never the engine."""
+        try:
+            tracked.sink(out)
+        except Exception:  # noqa: BLE001 - e.g. the client's event loop is gone
+            log.warning("output consumer of request %s failed; aborting it", out.request_id, exc_info=True)
+            if not out.finished:
+                self.abort(out.request_id)
 
     def _fail(self, request_id: str, message: str) -> RequestOutput:
         request = self.scheduler.abort(request_id)
@@ -330,7 +366,7 @@ class Engine:
         prompt = request.prompt_token_ids if request is not None else []
         out = RequestOutput(request_id, prompt, [], finished=True, error=message)
         if tracked is not None:
-            tracked.sink(out)
+            self._deliver(tracked, out)
         return out
 
     def _fail_all(self, message: str) -> None:

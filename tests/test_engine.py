@@ -1,0 +1,183 @@
+"""The engine on SmolLM2 (CPU): batching, streaming, aborts, seeds."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from engine import Engine, EngineConfig, SamplingParams, SchedulerConfig
+from engine.llm import LLM
+
+PROMPTS = [
+    "The capital of France is", "def quicksort(arr):", "Once upon a time, in a land far away,",
+    "The three primary colors are", "To be or not to be,", "import numpy as np\n",
+    "My favourite food is", "In 1969, the first man on the moon was",
+]
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2, smollm2_path):
+    offline = LLM.__new__(LLM)  # reuse the loaded model instead of loading it again
+    offline.engine = Engine(EngineConfig(model=smollm2_path, device="cpu",
+                                         scheduler=SchedulerConfig(max_model_len=1024)), model=smollm2)
+    offline.tokenizer = offline.engine.tokenizer
+    return offline
+
+
+@pytest.fixture(scope="module")
+def served(smollm2, smollm2_path):
+    """An engine running on its own thread, as the server uses it."""
+    engine = Engine(EngineConfig(model=smollm2_path, device="cpu",
+                                 scheduler=SchedulerConfig(max_model_len=1024, max_waiting=4)), model=smollm2)
+    engine.start()
+    yield engine
+    engine.shutdown()
+
+
+def texts(outputs):
+    return [o.outputs[0].text for o in outputs]
+
+
+def test_batch_invariance_greedy(llm):
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    together = llm.generate(PROMPTS, params, use_tqdm=False)
+    for prompt, batched in zip(PROMPTS, together):
+        alone = llm.generate([prompt], params, use_tqdm=False)[0]
+        assert alone.outputs[0].token_ids == batched.outputs[0].token_ids, prompt
+
+
+def test_seed_gives_the_same_text_alone_and_in_a_batch(llm):
+    seeded = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=1234)
+    alone = llm.generate([PROMPTS[2]], seeded, use_tqdm=False)[0].outputs[0].text
+    others = [SamplingParams(max_tokens=24, temperature=0.8) for _ in range(7)]
+    batch = llm.generate(PROMPTS[:2] + [PROMPTS[2]] + PROMPTS[3:], others[:2] + [seeded] + others[2:],
+                         use_tqdm=False)
+    assert batch[2].outputs[0].text == alone
+    again = llm.generate([PROMPTS[2]], seeded, use_tqdm=False)[0].outputs[0].text
+    assert again == alone
+
+
+def test_n_sequences_and_stop_strings(llm):
+    out = llm.generate(["The capital of France is"],
+                       SamplingParams(n=3, max_tokens=30, temperature=0.9, seed=7, stop=["."]), use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    for c in out.outputs:
+        assert "." not in c.text
+        assert c.finish_reason in ("stop", "length")
+        if c.finish_reason == "stop":
+            assert c.stop_reason == "."
+
+
+def test_stops_at_eos(llm):
+    chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2? Answer briefly."}])
+    ids = llm.tokenizer.encode(chat, add_special_tokens=False)
+    out = llm.generate([ids], SamplingParams(max_tokens=200, temperature=0), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason is None
+    assert out.token_ids[-1] in llm.tokenizer.eos_token_ids
+    assert "<|im_end|>" not in out.text and "4" in out.text
+
+
+def test_prompt_logprobs_with_zero_max_tokens(llm):
+    ids = llm.tokenizer.encode("The capital of France is Paris")
+    out = llm.generate([ids], SamplingParams(max_tokens=0, prompt_logprobs=2), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == [] and out.outputs[0].finish_reason == "length"
+    assert [lp.token_id for lp in out.prompt_logprobs] == ids[1:]
+    paris = out.prompt_logprobs[-1]
+    assert paris.rank == 1 and len(paris.top) == 2  # the model expects " Paris"
+
+
+def test_logprobs_and_timings(llm):
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=5, temperature=0, logprobs=3), use_tqdm=False)[0]
+    lps = out.outputs[0].logprobs
+    assert len(lps) == 5 and all(lp.rank == 1 and len(lp.top) == 3 for lp in lps)
+    t = out.timings
+    assert t.arrival <= t.first_scheduled <= t.first_token <= t.last_token <= t.finished
+
+
+def test_async_stream_deltas_add_up(served):
+    ids = served.tokenizer.encode("Write a haiku about the sea:")
+
+    async def collect():
+        deltas, final = [], None
+        async for out in served.generate(ids, SamplingParams(max_tokens=20, temperature=0)):
+            deltas.append(out.outputs[0].text if out.outputs else "")
+            final = out
+        return deltas, final
+
+    deltas, final = asyncio.run(collect())
+    assert final.finished and len(deltas) > 3
+    expected = served.tokenizer.decode(served_tokens(served, ids, 20))
+    assert "".join(deltas) == expected
+
+
+def served_tokens(engine, ids, n):
+    """Greedy tokens for ids through a blocking wait on the running engine."""
+    done = threading.Event()
+    tokens = []
+
+    def sink(out):
+        for piece in out.outputs:
+            tokens.extend(piece.token_ids)
+        if out.finished:
+            done.set()
+    engine.add_request(ids, SamplingParams(max_tokens=n, temperature=0), sink)
+    assert done.wait(60)
+    return tokens
+
+
+def test_closing_the_stream_aborts_and_frees_memory(served):
+    ids = served.tokenizer.encode("Count from one to one thousand:")
+
+    async def read_three():
+        stream = served.generate(ids, SamplingParams(max_tokens=500, temperature=0, ignore_eos=True))
+        got = 0
+        async for _ in stream:
+            got += 1
+            if got == 3:
+                break
+        await stream.aclose()
+
+    asyncio.run(read_three())
+    for _ in range(200):
+        if served.scheduler.num_running == 0 and not served.has_work():
+            break
+        threading.Event().wait(0.05)
+    assert served.scheduler.num_running == 0 and served.scheduler.kv.usage == 0.0
+    assert served.stats.requests_finished.get("abort", 0) >= 1
+
+
+def test_overload_and_invalid_requests_fail_at_once(served):
+    with pytest.raises(ValueError, match="maximum context length"):
+        served.add_request([1] * 1024, SamplingParams(max_tokens=1), lambda out: None)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        served.add_request([10**7], SamplingParams(max_tokens=1), lambda out: None)
+
+
+def test_a_failing_step_fails_only_its_requests(smollm2, smollm2_path):
+    engine = Engine(EngineConfig(model=smollm2_path, device="cpu",
+                                 scheduler=SchedulerConfig(max_model_len=256)), model=smollm2)
+    real = engine.runner.execute
+    poisoned: set[int] = set()
+
+    def flaky(out):
+        if any(row.seq_id in poisoned for row in out.seqs):
+            raise RuntimeError("simulated device fault")
+        return real(out)
+    engine.runner.execute = flaky
+    results = {}
+    good = engine.add_request([1, 2, 3], SamplingParams(max_tokens=6, temperature=0),
+                              lambda o: results.setdefault("good", []).append(o))
+    engine.step()  # good is running alone
+    bad = engine.add_request([4, 5, 6], SamplingParams(max_tokens=6, temperature=0),
+                             lambda o: results.setdefault("bad", []).append(o))
+    engine._drain_inbox()
+    poisoned.add(engine.scheduler.requests[bad].seqs[0].seq_id)
+    while engine.has_work():
+        engine.step()
+    assert results["bad"][-1].finished and "simulated device fault" in results["bad"][-1].error
+    good_out = results["good"]
+    assert good_out[-1].finished and good_out[-1].error is None
+    assert sum(len(o.outputs[0].token_ids) for o in good_out if o.outputs) == 6
+    assert engine.scheduler.kv.usage == 0.0 and good

@@ -1,0 +1,328 @@
+"""The scheduler and KV bookkeeping on the CPU, with a fake runner.
+
+The fake runner keeps a simulated KV pool (one token id per slot): it applies the
+step's KV copies, checks that each scheduled sequence's region already holds exactly
+its earlier tokens, writes the new ones, and "samples" a token that depends only on
+the sequence's history. So growth moves, n > 1 prefix copies and preemption with
+recompute are all checked for correctness, not just for bookkeeping.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from engine.config import SchedulerConfig
+from engine.kv_cache import KVCache
+from engine.outputs import RunnerOutput, SchedulerOutput, TokenLogprobs
+from engine.request import FinishReason, Request, SamplingParams, SeqStatus
+from engine.scheduler import QueueFullError, Scheduler
+
+EOS = 2
+
+
+def next_token(history: list[int]) -> int:
+    digest = hashlib.sha256(repr(history).encode()).digest()
+    return 10 + digest[0] % 200  # never EOS
+
+
+class FakeRunner:
+    def __init__(self, num_slots: int) -> None:
+        self.pool: list[int | None] = [None] * num_slots
+        self.steps: list[SchedulerOutput] = []
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        self.steps.append(out)
+        for c in out.kv_copies:
+            self.pool[c.dst_start:c.dst_start + c.num_tokens] = self.pool[c.src_start:c.src_start + c.num_tokens]
+        result = RunnerOutput()
+        for row in out.seqs:
+            context = self.pool[row.kv_start:row.kv_start + row.start_pos]
+            expected = (row.prompt_token_ids + row.output_token_ids)[:row.start_pos]
+            assert context == expected, f"seq {row.seq_id}: KV region holds {context}, expected {expected}"
+            self.pool[row.kv_start + row.start_pos:row.kv_start + row.kv_len] = row.token_ids
+            if row.want_prompt_logprobs:
+                first, last = row.start_pos + 1, min(row.kv_len, len(row.prompt_token_ids) - 1)
+                result.prompt_logprobs[row.seq_id] = [
+                    TokenLogprobs(row.prompt_token_ids[p], -1.0, 1) for p in range(first, last + 1)]
+            if row.sample:
+                history = row.prompt_token_ids + row.output_token_ids
+                result.sampled[row.seq_id] = next_token(history + [row.seq_id % 1 + row.rng_seed])
+        return result
+
+
+def make_scheduler(num_slots=4096, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024,
+                   max_waiting=100, initial_decode_slots=16, block_size=16):
+    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                          max_model_len=max_model_len, max_waiting=max_waiting)
+    kv = KVCache(num_slots, block_size)
+    return Scheduler(cfg, kv, max_model_len, initial_decode_slots, (EOS,)), FakeRunner(kv.num_slots)
+
+
+def make_requests(lengths, max_tokens=8, prefix="r", **params):
+    return [Request(f"{prefix}{i}", [100 + (i * 7 + j) % 50 for j in range(n)],
+                    SamplingParams(max_tokens=max_tokens, **params)) for i, n in enumerate(lengths)]
+
+
+def add(s: Scheduler, request: Request, seed: int = 0) -> None:
+    s.add_request(request, [seed] * request.params.n)
+
+
+def run_to_completion(s: Scheduler, runner: FakeRunner, max_steps=10_000) -> int:
+    steps = 0
+    while s.has_work():
+        out = s.schedule()
+        s.update(out, runner.execute(out))
+        steps += 1
+        assert steps < max_steps, "scheduler made no progress"
+    return steps
+
+
+def reference_output(request: Request, seed: int = 0) -> list[int]:
+    """What the fake model generates for a sequence run alone, without interruptions."""
+    tokens = list(request.prompt_token_ids)
+    out = []
+    for _ in range(request.params.max_tokens):
+        out.append(next_token(tokens + out + [seed]))
+    return out
+
+
+# ---------------------------------------------------------------- basics
+
+
+def test_all_requests_complete_with_right_outputs():
+    s, runner = make_scheduler()
+    requests = make_requests([5, 17, 3, 40, 9])
+    for r in requests:
+        add(s, r)
+    run_to_completion(s, runner)
+    for r in requests:
+        seq = r.seqs[0]
+        assert seq.finish_reason is FinishReason.LENGTH
+        assert seq.output_token_ids == reference_output(r)
+    assert s.kv.usage == 0.0 and not s.running and not s.requests
+
+
+def test_decodes_come_first_and_prefill_is_chunked():
+    s, runner = make_scheduler(max_num_batched_tokens=16, max_num_seqs=4)
+    short = make_requests([4], max_tokens=30, prefix="short")[0]
+    add(s, short)
+    out = s.schedule()
+    s.update(out, runner.execute(out))  # short is now decoding
+    long = make_requests([50], max_tokens=4, prefix="long")[0]
+    add(s, long)
+    chunks = []
+    while not long.seqs[0].output_token_ids:
+        out = s.schedule()
+        assert out.seqs[0].seq_id == short.seqs[0].seq_id and out.seqs[0].num_tokens == 1  # decode first
+        assert out.num_tokens <= 16
+        chunk = [r for r in out.seqs if r.seq_id == long.seqs[0].seq_id]
+        if chunk:
+            chunks.append((chunk[0].start_pos, chunk[0].num_tokens, chunk[0].sample))
+        s.update(out, runner.execute(out))
+    # 50 prompt tokens in chunks of 15 (16 minus the decode), positions contiguous, sampled only at the end
+    assert [c[1] for c in chunks] == [15, 15, 15, 5]
+    assert [c[0] for c in chunks] == [0, 15, 30, 45]
+    assert [c[2] for c in chunks] == [False, False, False, True]
+    run_to_completion(s, runner)
+    assert long.seqs[0].output_token_ids == reference_output(long)
+
+
+def test_max_num_seqs_limits_running():
+    s, runner = make_scheduler(max_num_seqs=2)
+    requests = make_requests([3, 3, 3, 3])
+    for r in requests:
+        add(s, r)
+    while s.has_work():
+        out = s.schedule()
+        assert len(s.running) <= 2
+        s.update(out, runner.execute(out))
+    assert all(r.seqs[0].output_token_ids == reference_output(r) for r in requests)
+
+
+def test_queue_overflow_raises_distinct_error():
+    s, _ = make_scheduler(max_waiting=3)
+    for r in make_requests([4, 4, 4]):
+        add(s, r)
+    with pytest.raises(QueueFullError):
+        add(s, make_requests([4], prefix="extra")[0])
+
+
+def test_invalid_requests_are_refused():
+    s, _ = make_scheduler(max_model_len=32)
+    with pytest.raises(ValueError, match="context limit"):
+        add(s, make_requests([32])[0])
+    with pytest.raises(ValueError):
+        Request("empty", [], SamplingParams())
+    with pytest.raises(ValueError, match="already in use"):
+        r = make_requests([3])[0]
+        add(s, r)
+        add(s, Request(r.request_id, [1, 2], SamplingParams()))
+
+
+# ---------------------------------------------------------------- memory
+
+
+def test_admission_waits_for_memory():
+    # each request reserves 20 prompt + 16 output slots -> 48 slots (3 blocks); the pool holds two
+    s, runner = make_scheduler(num_slots=96, max_model_len=64)
+    requests = make_requests([20, 20, 20], max_tokens=16)
+    for r in requests:
+        add(s, r)
+    out = s.schedule()
+    assert {row.seq_id for row in out.seqs} == {requests[0].seqs[0].seq_id, requests[1].seqs[0].seq_id}
+    assert requests[2].seqs[0].status is SeqStatus.WAITING
+    s.update(out, runner.execute(out))
+    run_to_completion(s, runner)
+    assert all(r.seqs[0].output_token_ids == reference_output(r) for r in requests)
+    assert s.kv.usage == 0.0
+
+
+def test_pool_too_small_for_all_preempts_and_recomputes_without_losing_work():
+    """Eight requests whose outputs outgrow the pool together: regions grow, the newest
+    sequences are preempted and recomputed, and every output equals its solo run."""
+    s, runner = make_scheduler(num_slots=320, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=200,
+                               initial_decode_slots=8)
+    requests = make_requests([10, 14, 6, 22, 9, 17, 12, 8], max_tokens=60)
+    for r in requests:
+        add(s, r)
+    run_to_completion(s, runner)
+    assert s.num_preemptions > 0  # the pool really was too small
+    assert any(c for step in runner.steps for c in step.kv_copies) or s.num_preemptions
+    for r in requests:
+        assert r.seqs[0].finish_reason is FinishReason.LENGTH
+        assert r.seqs[0].output_token_ids == reference_output(r)
+    assert s.kv.usage == 0.0
+
+
+def test_regions_grow_in_place_or_move_with_a_copy():
+    s, runner = make_scheduler(num_slots=256, max_num_seqs=2, initial_decode_slots=4, max_model_len=200)
+    a, b = make_requests([10, 10], max_tokens=40)
+    add(s, a)
+    add(s, b)  # b sits right after a, so a cannot grow in place and must move
+    run_to_completion(s, runner)
+    moves = [c for step in runner.steps for c in step.kv_copies]
+    assert moves and all(c.num_tokens > 0 for c in moves)
+    assert a.seqs[0].output_token_ids == reference_output(a)
+    assert b.seqs[0].output_token_ids == reference_output(b)
+
+
+# ---------------------------------------------------------------- abort
+
+
+def _step(s, runner, n=1):
+    for _ in range(n):
+        out = s.schedule()
+        s.update(out, runner.execute(out))
+
+
+def test_abort_waiting():
+    s, runner = make_scheduler(max_num_seqs=1)
+    first, second = make_requests([4, 4])
+    add(s, first)
+    add(s, second)
+    _step(s, runner)
+    assert second.seqs[0].status is SeqStatus.WAITING
+    s.abort(second.request_id)
+    assert second.seqs[0].finish_reason is FinishReason.ABORT and second not in s.waiting
+    run_to_completion(s, runner)
+    assert s.kv.usage == 0.0
+
+
+def test_abort_mid_prefill_and_mid_decode_frees_memory():
+    s, runner = make_scheduler(max_num_batched_tokens=16)
+    long, short = make_requests([60, 3], max_tokens=50)
+    add(s, short)
+    add(s, long)
+    _step(s, runner, 2)
+    assert 0 < long.seqs[0].num_computed < 60  # mid-prefill
+    assert short.seqs[0].output_token_ids  # mid-decode
+    s.abort(long.request_id)
+    s.abort(short.request_id)
+    assert s.kv.usage == 0.0 and not s.running and not s.has_work()
+    assert long.seqs[0].finish_reason is FinishReason.ABORT is short.seqs[0].finish_reason
+
+
+def test_abort_preempted():
+    s, runner = make_scheduler(num_slots=128, max_num_seqs=4, initial_decode_slots=4, max_model_len=120)
+    requests = make_requests([20, 20, 20], max_tokens=60)
+    for r in requests:
+        add(s, r)
+    while not s.preempted:
+        _step(s, runner)
+    victim = s.preempted[0].request
+    s.abort(victim.request_id)
+    assert not s.preempted or all(seq.request is not victim for seq in s.preempted)
+    run_to_completion(s, runner)
+    assert s.kv.usage == 0.0
+    assert victim.seqs[0].finish_reason is FinishReason.ABORT
+
+
+# ---------------------------------------------------------------- n > 1, stops
+
+
+def test_n_siblings_share_the_prompt_prefill():
+    s, runner = make_scheduler()
+    request = make_requests([12], max_tokens=5, n=3)[0]
+    s.add_request(request, [11, 22, 33])
+    run_to_completion(s, runner)
+    prompt_tokens_run = sum(r.num_tokens for step in runner.steps for r in step.seqs
+                            if r.start_pos < 11)
+    assert prompt_tokens_run == 11  # the first 11 prompt tokens ran once
+    copies = [c for step in runner.steps for c in step.kv_copies]
+    assert len(copies) == 2 and all(c.num_tokens == 11 for c in copies)
+    outputs = [seq.output_token_ids for seq in request.seqs]
+    for seq, seed in zip(request.seqs, [11, 22, 33]):
+        assert seq.output_token_ids == reference_output(request, seed)
+    assert len({tuple(o) for o in outputs}) == 3  # different seeds, different continuations
+    assert s.kv.usage == 0.0
+
+
+def test_n_with_one_token_prompt():
+    s, runner = make_scheduler()
+    request = make_requests([1], max_tokens=3, n=2)[0]
+    s.add_request(request, [5, 6])
+    run_to_completion(s, runner)
+    assert [seq.output_token_ids for seq in request.seqs] == [reference_output(request, 5),
+                                                              reference_output(request, 6)]
+
+
+def test_stop_tokens_eos_and_min_tokens():
+    s, runner = make_scheduler()
+    request = make_requests([4], max_tokens=10, min_tokens=2, stop_token_ids=(77,))[0]
+    add(s, request)
+    out = s.schedule()
+    seq = request.seqs[0]
+    s.update(out, RunnerOutput(sampled={seq.seq_id: EOS}))  # eos before min_tokens: ignored
+    assert not seq.is_finished
+    out = s.schedule()
+    s.update(out, RunnerOutput(sampled={seq.seq_id: 77}))
+    assert seq.finish_reason is FinishReason.STOP and seq.stop_reason == 77
+    ignore = make_requests([4], max_tokens=3, prefix="ig", ignore_eos=True)[0]
+    add(s, ignore)
+    for _ in range(3):
+        out = s.schedule()
+        s.update(out, RunnerOutput(sampled={ignore.seqs[0].seq_id: EOS}))
+    assert ignore.seqs[0].finish_reason is FinishReason.LENGTH
+    assert ignore.seqs[0].output_token_ids == [EOS] * 3
+
+
+def test_context_limit_finishes_with_length():
+    s, runner = make_scheduler(max_model_len=20)
+    request = make_requests([15], max_tokens=None)[0]
+    add(s, request)
+    run_to_completion(s, runner)
+    assert request.seqs[0].finish_reason is FinishReason.LENGTH
+    assert request.seqs[0].num_tokens == 20
+
+
+def test_prompt_logprobs_only_with_zero_max_tokens():
+    s, runner = make_scheduler(max_num_batched_tokens=8)
+    request = make_requests([20], max_tokens=0, prompt_logprobs=1)[0]
+    add(s, request)
+    run_to_completion(s, runner)
+    assert request.seqs[0].finish_reason is FinishReason.LENGTH
+    assert request.seqs[0].output_token_ids == []
+    assert [lp.token_id for lp in request.prompt_logprobs] == request.prompt_token_ids[1:]
+    assert not any(r.sample for step in runner.steps for r in step.seqs)
