@@ -10,13 +10,18 @@ from pathlib import Path
 
 # name -> what it sets (documented in README and config.yaml)
 ENV_VARS = {
-    "CUSERVE_CACHE": "folder for downloaded models (default ~/.cache/cuserve)",
+    "CUSERVE_CACHE": "folder for downloaded models and compiled kernels (default ~/.cache/cuserve)",
+    "CC": "C compiler for the CPU runner's kernels (default: cc, gcc or clang on PATH)",
 }
 
 
 def cache_dir() -> Path:
     value = os.environ.get("CUSERVE_CACHE")
     return Path(value).expanduser() if value else Path.home() / ".cache" / "cuserve"
+
+
+def c_compiler() -> str | None:
+    return os.environ.get("CC") or None
 
 
 def prefixed(prefix: str = "CUSERVE_") -> dict[str, str]:

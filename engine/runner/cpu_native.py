@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..env import c_compiler
+
 log = logging.getLogger("cuserve.cpu")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
@@ -83,7 +85,7 @@ class CpuKernels:
 
 
 def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+    for name in (c_compiler(), "cc", "gcc", "clang"):
         if name and shutil.which(name):
             return name
     return None

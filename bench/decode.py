@@ -1,0 +1,96 @@
+"""Engine-level decode throughput (no HTTP): B concurrent requests, ignore_eos.
+
+    python bench/decode.py --model SmolLM2-135M-Instruct --device cpu --batch 1,8,32
+
+For each batch size: B requests of `--prompt-len` tokens each, submitted at once to
+the engine running on its own thread (as under the server), each generating
+`--max-tokens` tokens. Reports output tokens/s over the whole run and over the
+decode phase alone (from the last first-token to the end), and ms per decode step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine import Engine, EngineConfig, SamplingParams, SchedulerConfig  # noqa: E402
+from engine.config import CacheConfig  # noqa: E402
+
+
+def run_batch(engine: Engine, batch: int, prompt_len: int, max_tokens: int) -> dict:
+    vocab = engine.model_config.vocab_size
+    prompts = [[(17 + 31 * i + 7 * j) % (vocab - 300) + 100 for j in range(prompt_len)] for i in range(batch)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    done = threading.Event()
+    finished = []
+    step_times: list[float] = []
+    engine.on_step = lambda _engine, seconds: step_times.append(seconds)
+
+    def sink(out):  # called on the engine thread
+        if out.finished:
+            finished.append(out)
+            if len(finished) == batch:
+                done.set()
+
+    start = time.perf_counter()
+    for p in prompts:
+        engine.add_request(p, params, sink)
+    if not done.wait(3600):
+        raise TimeoutError("benchmark did not finish")
+    end = time.perf_counter()
+    engine.on_step = None
+    errors = [o.error for o in finished if o.error]
+    if errors:
+        raise RuntimeError(errors[0])
+    last_first = max(o.timings.first_token for o in finished)
+    decode_tokens = sum(max_tokens - 1 for _ in finished)
+    decode_seconds = max(o.timings.finished for o in finished) - last_first
+    steady = step_times[len(step_times) // 4:] or step_times
+    return {
+        "batch": batch, "prompt_len": prompt_len, "max_tokens": max_tokens,
+        "total_s": end - start,
+        "tok_s": batch * max_tokens / (end - start),
+        "decode_tok_s": decode_tokens / decode_seconds if decode_seconds > 0 else float("nan"),
+        "step_ms_median": 1e3 * statistics.median(steady),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="SmolLM2-135M-Instruct")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--batch", default="1,8,32")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--kv-cache-gib", type=float, default=None)
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batch.split(",")]
+    kv = int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None
+    config = EngineConfig(model=args.model, device=args.device, cache=CacheConfig(kv_cache_bytes=kv),
+                          scheduler=SchedulerConfig(max_num_seqs=max(batches), max_waiting=max(batches),
+                                                    max_num_batched_tokens=max(2048, max(batches)),
+                                                    max_model_len=args.prompt_len + args.max_tokens + 16))
+    engine = Engine(config)
+    engine.start()
+    run_batch(engine, 1, args.prompt_len, 8)  # warm-up: compile, allocate, touch memory
+    results = [run_batch(engine, b, args.prompt_len, args.max_tokens) for b in batches]
+    engine.shutdown()
+    device = getattr(engine.runner, "device", "?")
+    print(f"model={args.model} device={device} prompt_len={args.prompt_len} max_tokens={args.max_tokens}")
+    print(f"{'batch':>6} {'tok/s':>10} {'decode tok/s':>13} {'ms/step':>9}")
+    for r in results:
+        print(f"{r['batch']:>6} {r['tok_s']:>10.1f} {r['decode_tok_s']:>13.1f} {r['step_ms_median']:>9.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
