@@ -61,6 +61,7 @@ class RequestOutput:
     num_generated_tokens: int = 0  # all sequences, so far
     timings: RequestTimings | None = None
     error: str | None = None  # the engine failed this request
+    error_kind: str | None = None  # "overloaded" | "invalid" | "internal"
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -90,6 +91,56 @@ class EngineStats:
     step_errors: int = 0
 
 
+class EngineObserver:
+    """Hooks for metrics, called on the engine thread (no-ops here)."""
+
+    def on_first_token(self, request: Request) -> None:  # timings.first_token was just set
+        pass
+
+    def on_token_gap(self, seconds: float) -> None:  # time between two tokens of one sequence
+        pass
+
+    def on_finished(self, request: Request) -> None:  # timings complete, finish reasons set
+        pass
+
+
+class LoopSink:
+    """Delivers outputs into asyncio queues of one event loop, one wake-up per engine step.
+
+    The engine calls it (and `flush`) on its thread; `register` and the queues
+    belong to the loop's thread.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._pending: list[RequestOutput] = []
+
+    def register(self, request_id: str) -> asyncio.Queue[RequestOutput]:
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.queues[request_id] = queue
+        return queue
+
+    def unregister(self, request_id: str) -> None:
+        self.queues.pop(request_id, None)
+
+    def __call__(self, out: RequestOutput) -> None:
+        self._pending.append(out)
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        batch, self._pending = self._pending, []
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._dispatch, batch)
+
+    def _dispatch(self, batch: list[RequestOutput]) -> None:
+        for out in batch:
+            queue = self.queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+
+
 class Engine:
     def __init__(self, config: EngineConfig, model: LoadedModel | None = None, runner=None) -> None:
         self.config = config
@@ -112,6 +163,9 @@ class Engine:
         self._stopping = False
         self.dead: BaseException | None = None
         self.on_step: Callable[[Engine, float], None] | None = None  # observer: (engine, step seconds)
+        self.observer = EngineObserver()
+        self._loop_sinks: dict[asyncio.AbstractEventLoop, LoopSink] = {}
+        self._flush: set[LoopSink] = set()
 
     # ------------------------------------------------------------------ api
 
@@ -145,11 +199,13 @@ class Engine:
         if self.dead is not None:
             raise EngineDeadError(f"the engine stopped: {self.dead!r}")
         self.check_request(prompt_token_ids, params)
-        if len(self._inbox) + self.scheduler.num_waiting >= self.config.scheduler.max_waiting:
-            raise QueueFullError(f"server overloaded: {self.config.scheduler.max_waiting} requests are waiting")
         request_id = request_id or uuid.uuid4().hex
         request = Request(request_id, prompt_token_ids, params, arrival=arrival)
         with self._wake:
+            pending = sum(1 for kind, _ in self._inbox if kind == "add")
+            if self.scheduler.queue_full(pending):
+                raise QueueFullError(f"server overloaded: {self.config.scheduler.max_waiting} requests "
+                                     f"are already waiting")
             self._inbox.append(("add", (request, sink)))
             self._wake.notify()
         return request_id
@@ -167,12 +223,16 @@ class Engine:
         Closing the iterator early (a client went away) aborts the request.
         """
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-
-        def sink(out: RequestOutput) -> None:
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(queue.put_nowait, out)
-        rid = self.add_request(prompt_token_ids, params, sink, request_id)
+        sink = self._loop_sinks.get(loop)
+        if sink is None:
+            sink = self._loop_sinks.setdefault(loop, LoopSink(loop))
+        request_id = request_id or uuid.uuid4().hex
+        queue = sink.register(request_id)
+        try:
+            self.add_request(prompt_token_ids, params, sink, request_id)
+        except BaseException:
+            sink.unregister(request_id)
+            raise
         finished = False
         try:
             while not finished:
@@ -180,8 +240,9 @@ class Engine:
                 finished = out.finished
                 yield out
         finally:
+            sink.unregister(request_id)
             if not finished:
-                self.abort(rid)
+                self.abort(request_id)
 
     # ------------------------------------------------------------ the loop
 
@@ -215,9 +276,19 @@ class Engine:
             log.exception("engine loop died")
             self.dead = exc
             self._fail_all(f"engine stopped: {exc!r}")
+            for sink in self._flush:
+                sink.flush()
 
     def step(self) -> list[RequestOutput]:
         """Run one step; returns (and delivers) the outputs it produced."""
+        try:
+            return self._step()
+        finally:
+            for sink in self._flush:
+                sink.flush()
+            self._flush.clear()
+
+    def _step(self) -> list[RequestOutput]:
         outputs = self._drain_inbox()
         if not self.scheduler.has_work():
             return outputs
@@ -277,8 +348,9 @@ class Engine:
                 try:
                     self.scheduler.add_request(request, self._rng_seeds(request.params))
                 except (ValueError, QueueFullError) as exc:
+                    kind = "overloaded" if isinstance(exc, QueueFullError) else "invalid"
                     out = RequestOutput(request.request_id, request.prompt_token_ids, [], finished=True,
-                                        error=str(exc))
+                                        error=str(exc), error_kind=kind)
                     self._deliver(_Tracked(request, sink, [], []), out)
                     outputs.append(out)
                     continue
@@ -328,9 +400,12 @@ class Engine:
                     lps = seq.output_logprobs[tracked.sent_tokens[seq.index]:]
                 tracked.sent_tokens[seq.index] = len(seq.output_token_ids)
                 self.stats.generation_tokens += len(new)
-                if new and request.timings.first_token is None:
-                    request.timings.first_token = now
                 if new:
+                    if request.timings.first_token is None:
+                        request.timings.first_token = now
+                        self.observer.on_first_token(request)
+                    elif request.params.n == 1:
+                        self.observer.on_token_gap(now - request.timings.last_token)
                     request.timings.last_token = now
                 reason = seq.finish_reason.value if seq.finish_reason is not None else None
                 pieces.append(CompletionOutput(seq.index, text, list(new), lps, reason, seq.stop_reason))
@@ -347,6 +422,7 @@ class Engine:
                 for seq in request.seqs:
                     key = seq.finish_reason.value
                     self.stats.requests_finished[key] = self.stats.requests_finished.get(key, 0) + 1
+                self.observer.on_finished(request)
             self._deliver(tracked, out)
             outputs.append(out)
         return outputs
@@ -355,6 +431,8 @@ class Engine:
         """Hand an output to its consumer; a consumer that fails is dropped, never the engine."""
         try:
             tracked.sink(out)
+            if isinstance(tracked.sink, LoopSink):
+                self._flush.add(tracked.sink)
         except Exception:  # noqa: BLE001 - e.g. the client's event loop is gone
             log.warning("output consumer of request %s failed; aborting it", out.request_id, exc_info=True)
             if not out.finished:
@@ -364,7 +442,7 @@ class Engine:
         request = self.scheduler.abort(request_id)
         tracked = self._tracked.pop(request_id, None)
         prompt = request.prompt_token_ids if request is not None else []
-        out = RequestOutput(request_id, prompt, [], finished=True, error=message)
+        out = RequestOutput(request_id, prompt, [], finished=True, error=message, error_kind="internal")
         if tracked is not None:
             self._deliver(tracked, out)
         return out

@@ -49,8 +49,8 @@ class Scheduler:
         """Queue a request; its n sequences draw from `rng_seeds` (one per sequence)."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if len(self.waiting) >= self.config.max_waiting:
-            raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
+        if self.queue_full():
+            raise QueueFullError(f"server overloaded: {self.config.max_waiting} requests are already waiting")
         if request.num_prompt_tokens >= self.max_model_len:
             raise ValueError(f"prompt of {request.num_prompt_tokens} tokens leaves no room to generate "
                              f"within the context limit of {self.max_model_len} tokens")
@@ -106,6 +106,13 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+    def queue_full(self, pending: int = 0) -> bool:
+        """Whether one more request would overflow the waiting queue. Room is
+        `max_waiting` plus the running slots still free (those requests start at once);
+        `pending` counts requests on their way in that are not added yet."""
+        free = max(0, self.config.max_num_seqs - len(self.running))
+        return len(self.waiting) + len(self.preempted) + pending >= self.config.max_waiting + free
 
     def get_seq(self, seq_id: int) -> Sequence | None:
         return self._seqs.get(seq_id)

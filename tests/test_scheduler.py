@@ -142,11 +142,16 @@ def test_max_num_seqs_limits_running():
 
 
 def test_queue_overflow_raises_distinct_error():
-    s, _ = make_scheduler(max_waiting=3)
-    for r in make_requests([4, 4, 4]):
+    # room = max_waiting (3) + free running slots (1 while nothing runs)
+    s, runner = make_scheduler(max_waiting=3, max_num_seqs=1)
+    for r in make_requests([4, 4, 4, 4]):
         add(s, r)
     with pytest.raises(QueueFullError):
         add(s, make_requests([4], prefix="extra")[0])
+    _step(s, runner)  # one runs now: 3 wait, no free slot
+    assert len(s.running) == 1 and s.queue_full()
+    with pytest.raises(QueueFullError):
+        add(s, make_requests([4], prefix="late")[0])
 
 
 def test_invalid_requests_are_refused():

@@ -1,0 +1,164 @@
+"""Server settings: config.yaml < CUSERVE_* environment variables < command-line flags.
+
+`ServeSettings` is the single list of settings; the CLI flags, the environment
+variable names, config.yaml and the README's table all derive from its fields.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.env import cache_dir as default_cache_dir
+from engine.env import prefixed
+from engine.loader import DEFAULT_MODEL
+
+ENV_PREFIX = "CUSERVE_"
+
+
+def _s(default: Any, kind: str, help: str, choices: tuple[str, ...] | None = None):
+    return field(default=default, metadata={"kind": kind, "help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    model: str = _s(DEFAULT_MODEL, "str", "a .gguf file, an HF model directory, or a known model name")
+    served_model_name: str | None = _s(None, "str", "the model id the API reports and accepts (default: --model)")
+    host: str = _s("127.0.0.1", "str", "address to listen on (0.0.0.0 for all interfaces)")
+    port: int = _s(8000, "int", "TCP port")
+    device: str = _s("auto", "str", "where the model runs: auto (a GPU if CuPy sees one), cuda or cpu",
+                     ("auto", "cuda", "cpu"))
+    api_key: str | None = _s(None, "str", "require 'Authorization: Bearer <key>' on every endpoint but /health")
+    max_model_len: int | None = _s(None, "int", "context limit in tokens (default: the model's)")
+    max_num_seqs: int = _s(128, "int", "sequences decoded together at most")
+    max_num_batched_tokens: int = _s(2048, "int", "tokens per engine step (decodes + prefill chunks)")
+    max_waiting: int = _s(1024, "int", "queued requests beyond this get 503 + Retry-After")
+    kv_cache_gib: float | None = _s(None, "float", "KV cache size in GiB (default: GPU: from "
+                                    "gpu_memory_utilization; CPU: cpu_kv_cache_gib)")
+    gpu_memory_utilization: float = _s(0.9, "float", "fraction of GPU memory for weights + buffers + KV cache")
+    cpu_kv_cache_gib: float = _s(1.0, "float", "KV cache size in GiB on the CPU")
+    cpu_weight_dtype: str = _s("auto", "str", "CPU weights: auto (16-bit with the C kernels), float32, float16, "
+                               "bfloat16", ("auto", "float32", "float16", "bfloat16"))
+    enforce_eager: bool = _s(False, "bool", "CUDA: run decode steps without CUDA graphs (debugging)")
+    seed: int | None = _s(None, "int", "seed for requests that give none (reproducible runs)")
+    chat_template: str | None = _s(None, "str", "a Jinja file to use instead of the model's chat template")
+    max_request_bytes: int = _s(8 << 20, "int", "largest request body accepted (413 beyond)")
+    retry_after: int = _s(1, "int", "seconds a 503 (overloaded) asks clients to wait")
+    shutdown_timeout: float = _s(30.0, "float", "seconds in-flight requests get to finish after SIGTERM")
+    log_level: str = _s("info", "str", "debug, info, warning or error", ("debug", "info", "warning", "error"))
+    cache_dir: str | None = _s(None, "str", "downloads and compiled kernels (default: $CUSERVE_CACHE or "
+                               "~/.cache/cuserve)")
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            choices = f.metadata["choices"]
+            value = getattr(self, f.name)
+            if choices and value not in choices:
+                raise ValueError(f"{f.name} must be one of {', '.join(choices)}, got {value!r}")
+        for name in ("port", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "max_request_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    def engine_config(self) -> EngineConfig:
+        gib = 1 << 30
+        return EngineConfig(
+            model=self.model, device=self.device, seed=self.seed, enforce_eager=self.enforce_eager,
+            served_model_name=self.model_name, cpu_weight_dtype=self.cpu_weight_dtype,
+            cache_dir=self.cache_dir or str(default_cache_dir()),
+            cache=CacheConfig(kv_cache_bytes=int(self.kv_cache_gib * gib) if self.kv_cache_gib else None,
+                              gpu_memory_utilization=self.gpu_memory_utilization,
+                              cpu_kv_cache_bytes=int(self.cpu_kv_cache_gib * gib)),
+            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                                      max_num_batched_tokens=self.max_num_batched_tokens,
+                                      max_model_len=self.max_model_len, max_waiting=self.max_waiting),
+        )
+
+
+SETTINGS = {f.name: f for f in dataclasses.fields(ServeSettings)}
+
+
+def _coerce(name: str, value: Any, source: str) -> Any:
+    kind = SETTINGS[name].metadata["kind"]
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null")):
+        return None
+    try:
+        if kind == "bool":
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if kind == "int":
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError(value)
+            return int(value)
+        if kind == "float":
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{source}: {name} must be {kind}, got {value!r}") from None
+
+
+def settings_from_yaml(path: str) -> dict[str, Any]:
+    data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of settings")
+    unknown = sorted(set(data) - set(SETTINGS))
+    if unknown:
+        raise ValueError(f"{path}: unknown settings {', '.join(unknown)}")
+    return {k: _coerce(k, v, path) for k, v in data.items()}
+
+
+def settings_from_env() -> dict[str, Any]:
+    values = {}
+    for key, raw in prefixed(ENV_PREFIX).items():
+        if key in SETTINGS:
+            values[key] = _coerce(key, raw, f"{ENV_PREFIX}{key.upper()}")
+    return values
+
+
+def add_cli_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="a YAML file of settings (see config.yaml)")
+    for name, f in SETTINGS.items():
+        flag = "--" + name.replace("_", "-")
+        kind, choices = f.metadata["kind"], f.metadata["choices"]
+        if kind == "bool":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=f.metadata["help"])
+        else:
+            parser.add_argument(flag, type={"int": int, "float": float}.get(kind, str), default=None,
+                                choices=choices, help=f.metadata["help"])
+
+
+def resolve_settings(args: argparse.Namespace) -> ServeSettings:
+    values: dict[str, Any] = {}
+    if getattr(args, "config", None):
+        values.update(settings_from_yaml(args.config))
+    values.update(settings_from_env())
+    values.update({name: getattr(args, name) for name in SETTINGS if getattr(args, name, None) is not None})
+    return ServeSettings(**values)
+
+
+def config_yaml() -> str:
+    """config.yaml's text: every setting, its default and what it does."""
+    lines = ["# cuserve settings, with their defaults.",
+             "# Precedence: this file (cuserve serve --config config.yaml) < CUSERVE_<NAME> environment",
+             "# variables < command-line flags (--name-with-dashes).", ""]
+    for name, f in SETTINGS.items():
+        lines.append(f"# {f.metadata['help']}")
+        default = f.default
+        lines.append(f"{name}: {yaml.safe_dump(default, default_flow_style=True).strip().removesuffix('...').strip()}")
+        lines.append("")
+    return "\n".join(lines)

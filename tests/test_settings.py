@@ -1,0 +1,76 @@
+"""Settings precedence, validation, and the docs generated from them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from server.cli import build_parser
+from server.settings import SETTINGS, ServeSettings, resolve_settings
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def parse(*argv):
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_defaults_without_anything(monkeypatch):
+    for name in SETTINGS:
+        monkeypatch.delenv(f"CUSERVE_{name.upper()}", raising=False)
+    assert resolve_settings(parse()) == ServeSettings()
+
+
+def test_precedence_yaml_env_cli(tmp_path, monkeypatch):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("port: 9001\nmax_num_seqs: 7\nenforce_eager: true\nhost: 0.0.0.0\n")
+    monkeypatch.setenv("CUSERVE_PORT", "9002")
+    monkeypatch.setenv("CUSERVE_MAX_NUM_SEQS", "9")
+    s = resolve_settings(parse("--config", str(cfg), "--max-num-seqs", "11"))
+    assert (s.port, s.max_num_seqs, s.enforce_eager, s.host) == (9002, 11, True, "0.0.0.0")
+    s = resolve_settings(parse("--config", str(cfg), "--no-enforce-eager"))
+    assert s.enforce_eager is False
+
+
+def test_bad_values_are_explained(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUSERVE_PORT", "eighty")
+    with pytest.raises(ValueError, match="CUSERVE_PORT: port must be int"):
+        resolve_settings(parse())
+    monkeypatch.delenv("CUSERVE_PORT")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("prot: 1\n")
+    with pytest.raises(ValueError, match="unknown settings prot"):
+        resolve_settings(parse("--config", str(bad)))
+    with pytest.raises(ValueError, match="device must be one of"):
+        ServeSettings(device="tpu")
+    with pytest.raises(SystemExit):
+        parse("--device", "tpu")
+
+
+def test_engine_config_follows_settings():
+    cfg = ServeSettings(max_model_len=512, kv_cache_gib=0.5, max_waiting=3, served_model_name="m").engine_config()
+    assert cfg.scheduler.max_model_len == 512 and cfg.scheduler.max_waiting == 3
+    assert cfg.cache.kv_cache_bytes == 1 << 29 and cfg.served_model_name == "m"
+
+
+def test_config_yaml_and_readme_table_are_current():
+    result = subprocess.run([sys.executable, "tools/gen_docs.py", "--check"], cwd=ROOT, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stdout
+    import yaml
+    documented = yaml.safe_load((ROOT / "config.yaml").read_text())
+    assert documented == {name: f.default for name, f in SETTINGS.items()}
+
+
+def test_cli_help_and_bad_config_exit_codes(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--help"], cwd=ROOT, capture_output=True,
+                         text=True)
+    assert out.returncode == 0 and "--max-model-len" in out.stdout and "--api-key" in out.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("port: [1, 2]\n")
+    out = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--config", str(bad)], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "port must be int" in out.stderr
