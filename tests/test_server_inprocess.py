@@ -1,0 +1,87 @@
+"""Server behaviour that needs a hand on the engine: the app runs in this process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from engine import Engine, EngineConfig, SchedulerConfig
+from server.app import create_app
+from server.settings import ServeSettings
+
+
+@pytest.fixture
+def app_and_engine(smollm2, smollm2_path):
+    engine = Engine(EngineConfig(model=smollm2_path, device="cpu", served_model_name="m",
+                                 scheduler=SchedulerConfig(max_model_len=512)), model=smollm2)
+    settings = ServeSettings(model=smollm2_path, served_model_name="m", max_request_bytes=4096)
+    app = create_app(settings, engine=engine)
+    engine.start()
+    yield app, engine
+    engine.shutdown()
+
+
+def run(app, coro_fn):
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            return await coro_fn(client)
+    return asyncio.run(main())
+
+
+def test_error_after_stream_started_is_an_error_event(app_and_engine):
+    app, engine = app_and_engine
+    real = engine.runner.execute
+    calls = {"n": 0}
+
+    def fails_later(out):
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise RuntimeError("device lost")
+        return real(out)
+    engine.runner.execute = fails_later
+
+    async def go(client):
+        r = await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 20, "stream": True})
+        return r.status_code, r.text
+
+    status, text = run(app, go)
+    events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    assert status == 200
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert "device lost" in error["message"] and error["type"] == "internal_error"
+    assert any("choices" in json.loads(e) for e in events[:-2])  # text arrived before the failure
+
+
+def test_body_limit_413(app_and_engine):
+    app, _ = app_and_engine
+
+    async def go(client):
+        big = await client.post("/v1/completions", content=b'{"prompt": "' + b"a" * 10000 + b'"}',
+                                headers={"content-type": "application/json"})
+        small = await client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1})
+        return big, small
+
+    big, small = run(app, go)
+    assert big.status_code == 413 and "exceeds 4096 bytes" in big.json()["error"]["message"]
+    assert small.status_code == 200
+
+
+def test_health_reports_loading_and_draining(smollm2_path):
+    settings = ServeSettings(model=smollm2_path)
+    app = create_app(settings)  # no engine: it would load in the lifespan, which is not run here
+    state = app.state.cuserve
+
+    async def go(client):
+        loading = await client.get("/health")
+        models = await client.post("/v1/completions", json={"prompt": "x"})
+        state.load_error = None
+        return loading, models
+
+    loading, completion = run(app, go)
+    assert loading.status_code == 503 and loading.json()["status"] == "loading"
+    assert completion.status_code == 503 and completion.json()["error"]["code"] == "loading"
+    assert completion.headers["Retry-After"] == "1"
