@@ -53,6 +53,8 @@ class SchedulerOutput:
     seqs: list[ScheduledSeq]  # decodes first, then prefill chunks
     kv_copies: list[KVCopy] = field(default_factory=list)  # run before the forward pass
     step: int = 0
+    # sequences finished or preempted since the last step: per-sequence runner state may go
+    finished_seq_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # top-n alternatives a request may ask for (OpenAI allows 20)
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias (OpenAI allows 300)
+MAX_STOP_TOKEN_IDS = 256
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,10 @@ class SamplingParams:
                 raise bad(name, f"an integer between 0 and {MAX_LOGPROBS}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "an integer")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids may have at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         for bias in self.logit_bias.values():
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values must be between -100 and 100, got {bias}")

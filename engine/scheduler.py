@@ -42,6 +42,7 @@ class Scheduler:
         self._next_seq_id = 0
         self._step = 0
         self.num_preemptions = 0
+        self._gone: list[int] = []  # sequences finished or preempted since the last schedule()
 
     # ------------------------------------------------------------ requests
 
@@ -90,6 +91,7 @@ class Scheduler:
             self.kv.free(seq.seq_id)
         elif seq in self.preempted:
             self.preempted.remove(seq)
+        self._gone.append(seq.seq_id)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
@@ -136,6 +138,7 @@ class Scheduler:
         return max(1, min(self._max_len(request), base + self.initial_decode_slots))
 
     def _preempt(self, seq: Sequence) -> None:
+        self._gone.append(seq.seq_id)
         self.running.remove(seq)
         self.kv.free(seq.seq_id)
         seq.status = SeqStatus.WAITING
@@ -274,7 +277,8 @@ class Scheduler:
             rows.append(self._row(seq0, end))
             budget -= end
 
-        return SchedulerOutput(seqs=rows, kv_copies=copies, step=self._step)
+        gone, self._gone = self._gone, []
+        return SchedulerOutput(seqs=rows, kv_copies=copies, step=self._step, finished_seq_ids=gone)
 
     # ------------------------------------------------------------ update
 

@@ -15,7 +15,7 @@ from engine.loader.tokenizer import TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL, TOK
 from engine.runner.numpy_runner import NumpyRunner
 from tests.runner_helpers import prefill_step, rel_err
 from tests.test_hf_parity import hf_logits
-from tests.tiny_models import VOCAB, build_tiny_model
+from tests.tiny_models import VOCAB
 
 HF_TO_GGUF = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",

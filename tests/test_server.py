@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 
 import httpx
@@ -14,12 +15,14 @@ from tests.server_process import ServerProcess
 
 MODEL = "SmolLM2-135M-Instruct"
 KEY = "sk-test-7d1c"
+# the same tests run against the GPU runner with CUSERVE_TEST_DEVICE=cuda
+DEVICE = os.environ.get("CUSERVE_TEST_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="module")
 def server(smollm2_path, tmp_path_factory):
-    proc = ServerProcess("--model", smollm2_path, "--served-model-name", MODEL, "--device", "cpu",
-                         "--max-model-len", "2048", "--max-num-seqs", "16",
+    proc = ServerProcess("--model", smollm2_path, "--served-model-name", MODEL, "--device", DEVICE,
+                         "--max-model-len", "2048", "--max-num-seqs", "16", "--kv-cache-gib", "1",
                          log_path=tmp_path_factory.mktemp("logs") / "server.log")
     try:
         proc.wait_ready()
@@ -31,8 +34,8 @@ def server(smollm2_path, tmp_path_factory):
 @pytest.fixture(scope="module")
 def guarded(smollm2_path, tmp_path_factory):
     """A server with an API key, one running sequence and a waiting queue of one."""
-    proc = ServerProcess("--model", smollm2_path, "--served-model-name", MODEL, "--device", "cpu",
-                         "--max-model-len", "1024", "--max-num-seqs", "1", "--max-waiting", "1",
+    proc = ServerProcess("--model", smollm2_path, "--served-model-name", MODEL, "--device", DEVICE,
+                         "--max-model-len", "1024", "--max-num-seqs", "1", "--max-waiting", "1", "--kv-cache-gib", "1",
                          "--max-num-batched-tokens", "64",
                          env={"CUSERVE_API_KEY": KEY},
                          log_path=tmp_path_factory.mktemp("logs") / "guarded.log")

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ..env import c_compiler
+from ..loader.quants import f32_to_bf16_bits
 
 log = logging.getLogger("cuserve.cpu")
 
@@ -49,9 +50,7 @@ def to_w16(w: np.ndarray, kind: int) -> W16:
     w = np.ascontiguousarray(w, dtype=np.float32)
     if kind == W_F16:
         return W16(w.astype(np.float16).view(np.uint16), kind)
-    bits = w.view(np.uint32)
-    rounded = (bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16  # round to nearest even
-    return W16(rounded.astype(np.uint16), kind)
+    return W16(f32_to_bf16_bits(w), kind)
 
 
 class CpuKernels:

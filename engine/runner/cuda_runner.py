@@ -1,0 +1,607 @@
+"""The CUDA runner: the NumPy runner's interface, on a GPU through CuPy.
+
+Weights live on the device in fp16 (bf16 for bf16 checkpoints), with Q/K/V and
+gate/up fused. Every buffer a step touches is allocated once at start: the
+activations (sized for the largest step), `DecodeBuffers` (per-row inputs, flash
+partials, logits, sampling state) and the KV pool, which takes the memory the cache
+config leaves. A step whose rows are all single decode tokens fills the per-row
+inputs with one host-to-device copy and replays the CUDA graph captured for the
+smallest batch bucket >= B (padding rows point at a spare KV slot and change
+nothing). Steps with prefill chunks run eagerly as one ragged batch (cuBLAS GEMMs +
+the flash-attention prefill kernel). Sampling runs on the GPU; only the sampled ids
+(and requested logprobs) come back.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import cupy as cp
+import numpy as np
+
+from kernels_cuda.activation import silu_mul
+from kernels_cuda.embedding import embedding
+from kernels_cuda.flash_decode import flash_decode
+from kernels_cuda.flash_prefill import flash_prefill, tiles
+from kernels_cuda.gemm import gemm
+from kernels_cuda.gemv import MAX_ROWS as GEMV_MAX_ROWS
+from kernels_cuda.gemv import gemv
+from kernels_cuda.rmsnorm import add_rms_norm, rms_norm
+from kernels_cuda.rope import rope_kv_write
+from kernels_cuda.sampling import sample_tokens, token_logprobs
+
+from ..config import EngineConfig, ModelConfig
+from ..loader import LoadedModel
+from ..loader.weights import Weights
+from ..outputs import RunnerOutput, ScheduledSeq, SchedulerOutput, TokenLogprobs
+from ..request import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
+from .numpy_runner import rope_tables
+from .packing import ModelWeights, pack_model
+
+log = logging.getLogger("cuserve.cuda")
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+MAX_BANNED = MAX_STOP_TOKEN_IDS + 8  # stop_token_ids + eos ids while min_tokens holds
+GRAPH_RESERVE_BYTES = 512 << 20  # left free for cuBLAS workspaces and graph instantiation
+
+
+def decode_chunk(max_model_len: int, max_splits: int = 64) -> int:
+    """Keys per flash-decode split: 256, grown (in steps of 64) so that at most
+    `max_splits` splits cover the longest context."""
+    return max(256, -(-max_model_len // (max_splits * 64)) * 64)
+
+
+def bucket_for(n: int) -> int:
+    """The smallest graph bucket that holds n rows."""
+    for b in BUCKETS:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} rows exceed the largest batch bucket ({BUCKETS[-1]})")
+
+
+# ---------------------------------------------------------------------------- buffers
+
+
+class StagedInputs:
+    """Per-row int32/int64/float32 inputs packed in one pinned host buffer and one device
+    buffer, so a step's inputs go up in a single copy."""
+
+    def __init__(self, rows: int, fields: dict[str, tuple[np.dtype, tuple[int, ...]]]) -> None:
+        self.rows = rows
+        offsets, total = {}, 0
+        for name, (dtype, inner) in fields.items():
+            nbytes = rows * int(np.prod(inner, dtype=np.int64)) * np.dtype(dtype).itemsize
+            offsets[name] = (total, nbytes)
+            total += -(-nbytes // 256) * 256
+        self.nbytes = total
+        self._pinned = cp.cuda.alloc_pinned_memory(total)
+        host_bytes = np.frombuffer(self._pinned, np.uint8, total)
+        self.device_bytes = cp.zeros(total, np.uint8)
+        self.host: dict[str, np.ndarray] = {}
+        self.dev: dict[str, cp.ndarray] = {}
+        self._ends: dict[str, int] = {}
+        for name, (dtype, inner) in fields.items():
+            off, nbytes = offsets[name]
+            shape = (rows, *inner)
+            self.host[name] = host_bytes[off:off + nbytes].view(dtype).reshape(shape)
+            self.dev[name] = self.device_bytes[off:off + nbytes].view(dtype).reshape(shape)
+            self._ends[name] = off + nbytes
+
+    def upload(self, stream: cp.cuda.Stream, upto: str | None = None) -> None:
+        """Copy the host buffer (or its prefix ending with field `upto`) to the device."""
+        n = self.nbytes if upto is None else self._ends[upto]
+        cp.cuda.runtime.memcpyAsync(self.device_bytes.data.ptr, self._pinned.ptr, n,
+                                    cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
+
+
+@dataclass
+class DecodeBuffers:
+    """Every buffer of a decode step, for `rows` rows (allocated once).
+
+    Activations are views of the runner's activation buffers (shared with prefill,
+    which never runs at the same time); the rest is owned here.
+    """
+
+    inputs: StagedInputs  # input_ids, positions, kv_lens, k/v ptrs, sampling params (R,)
+    embed_out: cp.ndarray  # (A, hidden) f32 -- the residual stream, updated in place
+    norm_out: cp.ndarray  # (A, hidden) 16-bit
+    qkv_out: cp.ndarray  # (A, q + 2 kv) f32
+    q_rot: cp.ndarray  # (A, heads, head_dim) 16-bit
+    attn_out: cp.ndarray  # (A, heads, head_dim) 16-bit
+    o_proj_out: cp.ndarray  # (A, hidden) f32
+    gate_up_out: cp.ndarray  # (A, 2 inter) f32
+    mlp_act: cp.ndarray  # (A, inter) 16-bit
+    down_out: cp.ndarray  # (A, hidden) f32
+    final_norm_out: cp.ndarray  # (R, hidden) 16-bit
+    logits: cp.ndarray  # (R, vocab) f32
+    sample_work: cp.ndarray  # (R, vocab) f32 processed logits of rows with penalties / bias
+    part_o: cp.ndarray  # (R, heads, max_splits, head_dim) f32 flash-decode partial outputs
+    part_ml: cp.ndarray  # (R, heads, max_splits, 2) f32 their max and sum
+    sampled: cp.ndarray  # (R,) int32
+    lp_value: cp.ndarray  # (R,) f32
+    lp_rank: cp.ndarray  # (R,) int32
+    lp_top_ids: cp.ndarray  # (R, MAX_LOGPROBS) int32
+    lp_top_values: cp.ndarray  # (R, MAX_LOGPROBS) f32
+    pen_counts: cp.ndarray  # (slots + 1, vocab) int32 tokens generated, per penalty slot
+    pen_prompt_mask: cp.ndarray  # (slots + 1, ceil(vocab / 32)) uint32 prompt tokens, per slot
+
+    def memory_bytes(self) -> int:
+        owned = [self.final_norm_out, self.logits, self.sample_work, self.part_o, self.part_ml, self.sampled,
+                 self.lp_value, self.lp_rank, self.lp_top_ids, self.lp_top_values, self.pen_counts,
+                 self.pen_prompt_mask]
+        shared = [self.embed_out, self.norm_out, self.qkv_out, self.q_rot, self.attn_out, self.o_proj_out,
+                  self.gate_up_out, self.mlp_act, self.down_out]
+        return self.inputs.nbytes + sum(a.nbytes for a in owned + shared)
+
+
+# ---------------------------------------------------------------------------- runner
+
+
+def _upload_matrix(dtype: str):
+    def convert(m: np.ndarray) -> cp.ndarray:
+        dev = cp.asarray(np.ascontiguousarray(m, dtype=np.float32))
+        if dtype == "bfloat16":
+            bits = dev.view(cp.uint32)
+            return ((bits + cp.uint32(0x7FFF) + ((bits >> 16) & cp.uint32(1))) >> 16).astype(cp.uint16)
+        return dev.astype(cp.float16)
+    return convert
+
+
+class CudaRunner:
+    device = "cuda"
+
+    def __init__(self, config: EngineConfig, model: LoadedModel | None = None, *, model_config: ModelConfig | None = None,
+                 weights: Weights | ModelWeights | None = None, progress: bool = True) -> None:
+        """Load weights to the GPU, allocate every buffer, size the KV pool, capture graphs.
+
+        Either `model` (a LoadedModel), or `model_config` with `weights` (checkpoint
+        Weights, or ModelWeights already on the device, e.g. random for benchmarks).
+        """
+        cfg = model.config if model is not None else model_config
+        weights = model.weights if model is not None else weights
+        self.config = cfg
+        self.engine_config = config
+        self.enforce_eager = config.enforce_eager
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.dtype_name = "bfloat16" if cfg.dtype == "bfloat16" else "float16"
+        self.scalar = np.uint16 if self.dtype_name == "bfloat16" else np.float16
+        sched = config.scheduler
+        self.max_model_len = sched.model_len(cfg)
+        self.rows = bucket_for(sched.max_num_seqs)  # decode rows, a bucket
+        self.max_tokens = max(sched.max_num_batched_tokens, self.rows)
+        self.chunk = decode_chunk(self.max_model_len)
+        self.max_splits = -(-self.max_model_len // self.chunk)
+
+        with self.stream:
+            if isinstance(weights, ModelWeights):
+                self.weights = weights
+            else:
+                self.weights = pack_model(weights, cfg, np.float32, progress=progress,
+                                          matrix=_upload_matrix(self.dtype_name))
+                self._norms_and_biases_to_device()
+            cos, sin = rope_tables(cfg, self.max_model_len)
+            self.rope_cos, self.rope_sin = cp.asarray(cos), cp.asarray(sin)
+            self.buffers = self._allocate_buffers()
+            self.stream.synchronize()
+        self._size_kv_pool()
+        self._pen_slots: dict[int, int] = {}
+        self._free_pen_slots = list(range(self.rows))  # slot `rows` is the padding rows' spare
+        self.graphs: dict[int, cp.cuda.Graph] = {}
+        if not self.enforce_eager:
+            self._capture_graphs()
+        log.info("CUDA runner: %s weights, decode buffers %.1f MiB, KV pool %d slots (%.2f GiB), graphs for %s",
+                 self.dtype_name, self.buffers.memory_bytes() / 2**20, self.num_kv_slots,
+                 self.kv_pool_bytes / 2**30, sorted(self.graphs) or "none (eager)")
+
+    # ------------------------------------------------------------------ setup
+
+    def _norms_and_biases_to_device(self) -> None:
+        w = self.weights
+        w.norm = cp.asarray(w.norm, dtype=np.float32)
+        for layer in w.layers:
+            layer.input_layernorm = cp.asarray(layer.input_layernorm, dtype=np.float32)
+            layer.post_attention_layernorm = cp.asarray(layer.post_attention_layernorm, dtype=np.float32)
+            if layer.qkv_bias is not None:
+                layer.qkv_bias = cp.asarray(layer.qkv_bias, dtype=np.float32)
+            if layer.o_bias is not None:
+                layer.o_bias = cp.asarray(layer.o_bias, dtype=np.float32)
+
+    def _allocate_buffers(self) -> DecodeBuffers:
+        cfg, R, A = self.config, self.rows, self.max_tokens
+        H, D, V = cfg.num_heads, cfg.head_dim, cfg.vocab_size
+        s = self.scalar
+        fields = {
+            "input_ids": (np.int32, ()), "positions": (np.int32, ()), "kv_lens": (np.int32, ()),
+            "k_ptrs": (np.int64, ()), "v_ptrs": (np.int64, ()),
+            "temperature": (np.float32, ()), "top_k": (np.int32, ()), "top_p": (np.float32, ()),
+            "min_p": (np.float32, ()), "seeds": (np.uint64, ()), "counters": (np.int32, ()),
+            "rep_pen": (np.float32, ()), "freq_pen": (np.float32, ()), "pres_pen": (np.float32, ()),
+            "pen_slot": (np.int32, ()), "lp_n": (np.int32, ()), "bias_n": (np.int32, ()),
+            "banned_n": (np.int32, ()),
+            # large, copied only when a row uses them
+            "bias_ids": (np.int32, (MAX_LOGIT_BIAS,)), "bias_vals": (np.float32, (MAX_LOGIT_BIAS,)),
+            "banned_ids": (np.int32, (MAX_BANNED,)),
+        }
+        return DecodeBuffers(
+            inputs=StagedInputs(R, fields),
+            embed_out=cp.zeros((A, cfg.hidden_size), np.float32),
+            norm_out=cp.zeros((A, cfg.hidden_size), s),
+            qkv_out=cp.zeros((A, cfg.q_size + 2 * cfg.kv_size), np.float32),
+            q_rot=cp.zeros((A, H, D), s),
+            attn_out=cp.zeros((A, H, D), s),
+            o_proj_out=cp.zeros((A, cfg.hidden_size), np.float32),
+            gate_up_out=cp.zeros((A, 2 * cfg.intermediate_size), np.float32),
+            mlp_act=cp.zeros((A, cfg.intermediate_size), s),
+            down_out=cp.zeros((A, cfg.hidden_size), np.float32),
+            final_norm_out=cp.zeros((R, cfg.hidden_size), s),
+            logits=cp.zeros((R, V), np.float32),
+            sample_work=cp.zeros((R, V), np.float32),
+            part_o=cp.zeros((R, H, self.max_splits, D), np.float32),
+            part_ml=cp.zeros((R, H, self.max_splits, 2), np.float32),
+            sampled=cp.zeros(R, np.int32),
+            lp_value=cp.zeros(R, np.float32),
+            lp_rank=cp.zeros(R, np.int32),
+            lp_top_ids=cp.zeros((R, MAX_LOGPROBS), np.int32),
+            lp_top_values=cp.zeros((R, MAX_LOGPROBS), np.float32),
+            pen_counts=cp.zeros((R + 1, V), np.int32),
+            pen_prompt_mask=cp.zeros((R + 1, (V + 31) // 32), np.uint32),
+        )
+
+    def _size_kv_pool(self) -> None:
+        cfg, cache = self.config, self.engine_config.cache
+        elem = np.dtype(self.scalar).itemsize
+        per_slot = cfg.kv_bytes_per_token(elem)
+        if cache.kv_cache_bytes is not None:
+            budget = cache.kv_cache_bytes
+        else:
+            cp.get_default_memory_pool().free_all_blocks()  # cached blocks are not "used"
+            free, total = cp.cuda.runtime.memGetInfo()
+            used = total - free
+            budget = int(total * cache.gpu_memory_utilization) - used - GRAPH_RESERVE_BYTES
+        slots = budget // per_slot
+        if slots < self.max_model_len + 1:
+            raise RuntimeError(
+                f"not enough GPU memory for the KV cache: {max(budget, 0) / 2**30:.2f} GiB holds {max(slots, 0)} "
+                f"tokens, one sequence of max_model_len={self.max_model_len} needs {self.max_model_len + 1}; "
+                f"lower --max-model-len or raise --gpu-memory-utilization / --kv-cache-gib")
+        self.num_kv_slots = int(slots) - 1  # the last slot is the padding rows' scratch
+        shape = (cfg.num_layers, self.num_kv_slots + 1, cfg.num_kv_heads, cfg.head_dim)
+        with self.stream:
+            self.k_cache = cp.zeros(shape, self.scalar)
+            self.v_cache = cp.zeros(shape, self.scalar)
+            self.stream.synchronize()
+        self.kv_pool_bytes = 2 * self.k_cache.nbytes
+        self._slot_bytes = cfg.kv_size * elem  # bytes from one slot to the next within a layer
+        self._layer_elems = (self.num_kv_slots + 1) * cfg.kv_size  # elements from one layer to the next
+        self._spare_k = self.k_cache.data.ptr + self.num_kv_slots * self._slot_bytes
+        self._spare_v = self.v_cache.data.ptr + self.num_kv_slots * self._slot_bytes
+
+    def memory_bytes(self) -> int:
+        return self.buffers.memory_bytes()
+
+    @staticmethod
+    def kv_bytes_per_slot(config: ModelConfig) -> int:
+        return config.kv_bytes_per_token(2)
+
+    # ------------------------------------------------------------------ the model
+
+    def _linear(self, x: cp.ndarray, w: cp.ndarray, out: cp.ndarray) -> None:
+        if x.shape[0] <= GEMV_MAX_ROWS:
+            gemv(x, w, out)
+        else:
+            gemm(x, w, out)
+
+    def _layers(self, n: int, attention) -> None:
+        """The decoder layers over the first n rows of the activation buffers; the
+        residual stream ends un-added (the last down projection is added by the caller)."""
+        cfg, b, w = self.config, self.buffers, self.weights
+        eps = cfg.rms_norm_eps
+        for i, layer in enumerate(w.layers):
+            if i == 0:
+                rms_norm(b.embed_out[:n], layer.input_layernorm, eps, out=b.norm_out[:n])
+            else:
+                add_rms_norm(b.embed_out[:n], b.down_out[:n], layer.input_layernorm, eps, out=b.norm_out[:n])
+            self._linear(b.norm_out[:n], layer.qkv_proj, b.qkv_out[:n])
+            attention(i, layer)
+            self._linear(b.attn_out[:n].reshape(n, cfg.q_size), layer.o_proj, b.o_proj_out[:n])
+            add_rms_norm(b.embed_out[:n], b.o_proj_out[:n], layer.post_attention_layernorm, eps,
+                         out=b.norm_out[:n], bias=layer.o_bias)
+            self._linear(b.norm_out[:n], layer.gate_up_proj, b.gate_up_out[:n])
+            silu_mul(b.gate_up_out[:n], out=b.mlp_act[:n])
+            self._linear(b.mlp_act[:n], layer.down_proj, b.down_out[:n])
+
+    def _sample(self, n: int) -> None:
+        b, d = self.buffers, self.buffers.inputs.dev
+        sample_tokens(b.logits, b.sample_work, d, b.pen_counts, b.pen_prompt_mask, b.sampled, rows=n)
+        token_logprobs(b.logits, d["lp_n"], b.sampled, b.lp_value, b.lp_rank, b.lp_top_ids, b.lp_top_values, rows=n)
+
+    def _decode_body(self, n: int) -> None:
+        """One decode step for n rows (a bucket): no host work, no branches on data."""
+        cfg, b, w = self.config, self.buffers, self.weights
+        d = b.inputs.dev
+        embedding(d["input_ids"][:n], w.embed_tokens, b.embed_out[:n])
+
+        def attention(i: int, layer) -> None:
+            offset = i * self._layer_elems
+            rope_kv_write(b.qkv_out[:n], d["positions"][:n], self.rope_cos, self.rope_sin, d["k_ptrs"][:n],
+                          d["v_ptrs"][:n], offset, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                          b.q_rot[:n], bias=layer.qkv_bias)
+            flash_decode(b.q_rot[:n], d["k_ptrs"][:n], d["v_ptrs"][:n], d["kv_lens"][:n], offset, cfg.num_kv_heads,
+                         b.part_o[:n], b.part_ml[:n], b.attn_out[:n], cfg.softmax_scale, self.chunk,
+                         cfg.sliding_window or 0)
+
+        self._layers(n, attention)
+        add_rms_norm(b.embed_out[:n], b.down_out[:n], w.norm, cfg.rms_norm_eps, out=b.final_norm_out[:n])
+        self._linear(b.final_norm_out[:n], w.lm_head, b.logits[:n])
+        self._sample(n)
+
+    def _capture_graphs(self) -> None:
+        self._fill_padding(0, self.rows)
+        self.buffers.inputs.upload(self.stream)
+        for bucket in BUCKETS:
+            if bucket > self.rows:
+                break
+            with self.stream:
+                self._decode_body(bucket)  # warm-up: compiles, cuBLAS picks algorithms
+                self.stream.synchronize()
+                self.stream.begin_capture()
+                try:
+                    self._decode_body(bucket)
+                finally:
+                    graph = self.stream.end_capture()
+            self.graphs[bucket] = graph
+        self.stream.synchronize()
+
+    # ------------------------------------------------------------------ step inputs
+
+    def _k_ptr(self, kv_start: int) -> int:
+        return self.k_cache.data.ptr + kv_start * self._slot_bytes
+
+    def _v_ptr(self, kv_start: int) -> int:
+        return self.v_cache.data.ptr + kv_start * self._slot_bytes
+
+    def _fill_padding(self, start: int, end: int) -> None:
+        h = self.buffers.inputs.host
+        if end <= start:
+            return
+        for name in ("input_ids", "positions", "kv_lens", "top_k", "counters", "bias_n", "banned_n"):
+            h[name][start:end] = 0
+        h["k_ptrs"][start:end] = self._spare_k
+        h["v_ptrs"][start:end] = self._spare_v
+        h["temperature"][start:end] = 0.0  # greedy: the cheapest
+        h["top_p"][start:end] = 1.0
+        h["min_p"][start:end] = 0.0
+        h["seeds"][start:end] = 0
+        h["rep_pen"][start:end] = 1.0
+        h["freq_pen"][start:end] = 0.0
+        h["pres_pen"][start:end] = 0.0
+        h["pen_slot"][start:end] = -1
+        h["lp_n"][start:end] = -1
+
+    def _fill_sampling(self, rows: list[ScheduledSeq]) -> tuple[bool, bool]:
+        """Sampling parameters of `rows` into the staged inputs (row order).
+
+        Returns (whether any row has logit_bias or bans, whether any asks for logprobs).
+        """
+        h = self.buffers.inputs.host
+        n = len(rows)
+        eos = self.config.eos_token_ids
+        params = [r.sampling for r in rows]
+        h["temperature"][:n] = [p.temperature for p in params]
+        h["top_k"][:n] = [p.top_k or 0 for p in params]
+        h["top_p"][:n] = [p.top_p for p in params]
+        h["min_p"][:n] = [p.min_p for p in params]
+        h["seeds"][:n] = [r.rng_seed & 0xFFFFFFFFFFFFFFFF for r in rows]
+        h["counters"][:n] = [len(r.output_token_ids) for r in rows]
+        h["rep_pen"][:n] = [p.repetition_penalty for p in params]
+        h["freq_pen"][:n] = [p.frequency_penalty for p in params]
+        h["pres_pen"][:n] = [p.presence_penalty for p in params]
+        h["lp_n"][:n] = [-1 if p.logprobs is None else p.logprobs for p in params]
+        h["pen_slot"][:n] = [self._penalty_slot(r) for r in rows]
+        extra = False
+        for i, (r, p) in enumerate(zip(rows, params)):
+            nb = len(p.logit_bias)
+            h["bias_n"][i] = nb
+            if nb:
+                h["bias_ids"][i, :nb] = list(p.logit_bias.keys())
+                h["bias_vals"][i, :nb] = list(p.logit_bias.values())
+                extra = True
+            banned = []
+            if len(r.output_token_ids) < p.min_tokens:
+                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos))
+            h["banned_n"][i] = len(banned)
+            if banned:
+                h["banned_ids"][i, :len(banned)] = banned
+                extra = True
+        return extra, any(p.logprobs is not None for p in params)
+
+    def _penalty_slot(self, row: ScheduledSeq) -> int:
+        p = row.sampling
+        if p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty:
+            return -1
+        slot = self._pen_slots.get(row.seq_id)
+        if slot is None:  # first sight: counts of what it generated so far, prompt bitmap
+            slot = self._free_pen_slots.pop()
+            self._pen_slots[row.seq_id] = slot
+            V = self.config.vocab_size
+            counts = np.bincount(np.asarray(row.output_token_ids, np.int64), minlength=V).astype(np.int32)
+            mask = np.zeros((V + 31) // 32, np.uint32)
+            prompt = np.unique(np.asarray(row.prompt_token_ids, np.int64))
+            np.bitwise_or.at(mask, prompt >> 5, (np.uint32(1) << (prompt & 31).astype(np.uint32)))
+            with self.stream:
+                self.buffers.pen_counts[slot].set(counts, self.stream)
+                self.buffers.pen_prompt_mask[slot].set(mask, self.stream)
+        return slot
+
+    def _release(self, seq_ids: list[int]) -> None:
+        for sid in seq_ids:
+            slot = self._pen_slots.pop(sid, None)
+            if slot is not None:
+                self._free_pen_slots.append(slot)
+
+    # ------------------------------------------------------------------ execute
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        self._release(out.finished_seq_ids)
+        with self.stream:
+            for c in out.kv_copies:
+                self._copy_kv(c.src_start, c.dst_start, c.num_tokens)
+        if out.is_empty:
+            return RunnerOutput()
+        decode = (all(r.num_tokens == 1 and r.sample and not r.want_prompt_logprobs for r in out.seqs)
+                  and len(out.seqs) <= self.rows)
+        if decode:
+            return self._execute_decode(out.seqs)
+        return self._execute_varlen(out.seqs)
+
+    def _copy_kv(self, src: int, dst: int, n: int) -> None:
+        if n <= 0:
+            return
+        pitch = self._layer_elems * np.dtype(self.scalar).itemsize
+        for pool in (self.k_cache, self.v_cache):
+            cp.cuda.runtime.memcpy2DAsync(pool.data.ptr + dst * self._slot_bytes, pitch,
+                                          pool.data.ptr + src * self._slot_bytes, pitch,
+                                          n * self._slot_bytes, self.config.num_layers,
+                                          cp.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
+
+    def _execute_decode(self, rows: list[ScheduledSeq]) -> RunnerOutput:
+        B = len(rows)
+        bucket = bucket_for(B)
+        h = self.buffers.inputs.host
+        h["input_ids"][:B] = [r.token_ids[0] for r in rows]
+        h["positions"][:B] = [r.start_pos for r in rows]
+        h["kv_lens"][:B] = [r.kv_len for r in rows]
+        starts = np.fromiter((r.kv_start for r in rows), np.int64, B)
+        h["k_ptrs"][:B] = self.k_cache.data.ptr + starts * self._slot_bytes
+        h["v_ptrs"][:B] = self.v_cache.data.ptr + starts * self._slot_bytes
+        extra, want_lp = self._fill_sampling(rows)
+        self._fill_padding(B, bucket)
+        inputs = self.buffers.inputs
+        with self.stream:
+            inputs.upload(self.stream, upto=None if extra else "banned_n")
+            if bucket in self.graphs:
+                self.graphs[bucket].launch(self.stream)
+            else:
+                self._decode_body(bucket)
+        return self._collect(rows, list(range(B)), want_lp)
+
+    def _collect(self, rows: list[ScheduledSeq], logit_rows: list[int], want_lp: bool) -> RunnerOutput:
+        """Copy back the sampled ids (and logprobs) of the rows that sample."""
+        b = self.buffers
+        n = len(logit_rows)
+        result = RunnerOutput()
+        with self.stream:
+            sampled = cp.asnumpy(b.sampled[:n], stream=self.stream)
+            if want_lp:
+                lp_value = cp.asnumpy(b.lp_value[:n], stream=self.stream)
+                lp_rank = cp.asnumpy(b.lp_rank[:n], stream=self.stream)
+                top_ids = cp.asnumpy(b.lp_top_ids[:n], stream=self.stream)
+                top_values = cp.asnumpy(b.lp_top_values[:n], stream=self.stream)
+            self.stream.synchronize()
+        for i, row in zip(range(n), (rows[j] for j in logit_rows)):
+            token = int(sampled[i])
+            result.sampled[row.seq_id] = token
+            k = row.sampling.logprobs
+            if k is not None:
+                result.logprobs[row.seq_id] = TokenLogprobs(
+                    token, float(lp_value[i]), int(lp_rank[i]),
+                    [(int(t), float(v)) for t, v in zip(top_ids[i, :k], top_values[i, :k])])
+        return result
+
+    # ------------------------------------------------------------------ ragged (prefill) steps
+
+    def _execute_varlen(self, rows: list[ScheduledSeq]) -> RunnerOutput:
+        cfg, b, w = self.config, self.buffers, self.weights
+        T = sum(r.num_tokens for r in rows)
+        if T > self.max_tokens:
+            raise ValueError(f"step of {T} tokens exceeds the runner's {self.max_tokens}")
+        q_lens = np.array([r.num_tokens for r in rows], np.int32)
+        q_start = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int32)
+        kv_starts = np.array([r.kv_start for r in rows], np.int64)
+        seq_k = self.k_cache.data.ptr + kv_starts * self._slot_bytes
+        seq_v = self.v_cache.data.ptr + kv_starts * self._slot_bytes
+        tok_ids = np.fromiter((t for r in rows for t in r.token_ids), np.int32, T)
+        tok_pos = np.concatenate([np.arange(r.start_pos, r.kv_len, dtype=np.int32) for r in rows])
+        tok_k = np.repeat(seq_k, q_lens)
+        tok_v = np.repeat(seq_v, q_lens)
+        tile_seq, tile_q0 = tiles(q_lens)
+        logit_rows = [i for i, r in enumerate(rows) if r.sample]
+        last_tok = (q_start + q_lens - 1)[logit_rows].astype(np.int64)
+
+        with self.stream:
+            dev = {name: cp.asarray(arr) for name, arr in (
+                ("tok_ids", tok_ids), ("tok_pos", tok_pos), ("tok_k", tok_k), ("tok_v", tok_v),
+                ("tile_seq", tile_seq), ("tile_q0", tile_q0), ("q_start", q_start), ("q_len", q_lens),
+                ("kv_len", np.array([r.kv_len for r in rows], np.int32)), ("seq_k", seq_k), ("seq_v", seq_v))}
+            embedding(dev["tok_ids"], w.embed_tokens, b.embed_out[:T])
+
+            def attention(i: int, layer) -> None:
+                offset = i * self._layer_elems
+                rope_kv_write(b.qkv_out[:T], dev["tok_pos"], self.rope_cos, self.rope_sin, dev["tok_k"], dev["tok_v"],
+                              offset, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, b.q_rot[:T], bias=layer.qkv_bias)
+                flash_prefill(b.q_rot[:T], dev["tile_seq"], dev["tile_q0"], dev["q_start"], dev["q_len"],
+                              dev["kv_len"], dev["seq_k"], dev["seq_v"], offset, cfg.num_kv_heads,
+                              cfg.softmax_scale, b.attn_out[:T], cfg.sliding_window or 0)
+
+            self._layers(T, attention)
+            add_rms_norm(b.embed_out[:T], b.down_out[:T], w.norm, cfg.rms_norm_eps, out=b.norm_out[:T])
+            result = RunnerOutput()
+            prompt_rows = [i for i, r in enumerate(rows) if r.want_prompt_logprobs]
+            for i in prompt_rows:
+                result.prompt_logprobs[rows[i].seq_id] = self._prompt_logprobs(rows[i], int(q_start[i]))
+            n = len(logit_rows)
+            if n == 0:
+                self.stream.synchronize()
+                return result
+            cp.take(b.norm_out[:T], cp.asarray(last_tok), axis=0, out=b.final_norm_out[:n])
+            self._linear(b.final_norm_out[:n], w.lm_head, b.logits[:n])
+            sampling_rows = [rows[i] for i in logit_rows]
+            extra, want_lp = self._fill_sampling(sampling_rows)
+            b.inputs.upload(self.stream, upto=None if extra else "banned_n")
+            self._sample(n)
+        sampled = self._collect(rows, logit_rows, want_lp)
+        sampled.prompt_logprobs = result.prompt_logprobs
+        return sampled
+
+    def forward(self, out: SchedulerOutput, all_logits: bool = False) -> np.ndarray:
+        """Logits as the NumPy runner's forward() returns them (the last token of each
+        sequence, or every token), through the ragged path. For tests and debugging."""
+        rows = [ScheduledSeq(r.seq_id, r.token_ids, r.start_pos, r.kv_start, False) for r in out.seqs]
+        self._execute_varlen(rows)  # runs the layers; norm_out holds every token's final hidden state
+        b = self.buffers
+        T = sum(r.num_tokens for r in rows)
+        wanted = np.arange(T) if all_logits else np.cumsum([r.num_tokens for r in rows]) - 1
+        logits = np.empty((len(wanted), self.config.vocab_size), np.float32)
+        with self.stream:
+            for p0 in range(0, len(wanted), self.rows):
+                idx = wanted[p0:p0 + self.rows]
+                cp.take(b.norm_out[:T], cp.asarray(idx), axis=0, out=b.final_norm_out[:len(idx)])
+                self._linear(b.final_norm_out[:len(idx)], self.weights.lm_head, b.logits[:len(idx)])
+                logits[p0:p0 + len(idx)] = cp.asnumpy(b.logits[:len(idx)], stream=self.stream)
+            self.stream.synchronize()
+        return logits
+
+    def _prompt_logprobs(self, row: ScheduledSeq, first_token: int) -> list[TokenLogprobs]:
+        """Logprobs of the prompt tokens this chunk predicts (positions start_pos + 1 on),
+        in pieces of `rows` positions through the logits buffer."""
+        b = self.buffers
+        prompt = row.prompt_token_ids
+        first, last = row.start_pos + 1, min(row.kv_len, len(prompt) - 1)
+        out: list[TokenLogprobs] = []
+        top_n = row.sampling.prompt_logprobs or 0
+        for p0 in range(first, last + 1, self.rows):
+            p1 = min(last + 1, p0 + self.rows)
+            n = p1 - p0
+            src = cp.arange(first_token + p0 - 1 - row.start_pos, first_token + p1 - 1 - row.start_pos)
+            cp.take(b.norm_out, src, axis=0, out=b.final_norm_out[:n])
+            self._linear(b.final_norm_out[:n], self.weights.lm_head, b.logits[:n])
+            targets = cp.asarray(np.array(prompt[p0:p1], np.int32))
+            lp_n = cp.full(n, top_n, np.int32)
+            token_logprobs(b.logits[:n], lp_n, targets, b.lp_value, b.lp_rank, b.lp_top_ids, b.lp_top_values, rows=n)
+            values, ranks = cp.asnumpy(b.lp_value[:n]), cp.asnumpy(b.lp_rank[:n])
+            ids, tops = cp.asnumpy(b.lp_top_ids[:n]), cp.asnumpy(b.lp_top_values[:n])
+            for j in range(n):
+                out.append(TokenLogprobs(prompt[p0 + j], float(values[j]), int(ranks[j]),
+                                         [(int(t), float(v)) for t, v in zip(ids[j, :top_n], tops[j, :top_n])]))
+        return out

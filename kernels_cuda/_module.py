@@ -1,0 +1,72 @@
+"""Loading the .cu families through CuPy RawModule, and argument helpers.
+
+16-bit tensors are float16 CuPy arrays, or uint16 arrays holding bfloat16 bits
+(CuPy has no bfloat16 dtype); a module is compiled per (family, constants) with
+-DUSE_BF16 chosen from the arrays it is given. Constants go in as -D options.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import cupy as cp
+import numpy as np
+
+KERNEL_DIR = Path(__file__).resolve().parent
+SCALAR_DTYPES = (np.dtype(np.float16), np.dtype(np.uint16))  # fp16, bf16 bits
+
+_MODULES: dict[tuple, cp.RawModule] = {}
+
+
+def module(family: str, **defines: int) -> cp.RawModule:
+    key = (family, tuple(sorted(defines.items())))
+    mod = _MODULES.get(key)
+    if mod is None:
+        source = (KERNEL_DIR / f"{family}.cu").read_text(encoding="utf-8")
+        options = ("-std=c++17", f"-I{KERNEL_DIR}", *(f"-D{k}={int(v)}" for k, v in sorted(defines.items())))
+        mod = cp.RawModule(code=source, options=options)
+        _MODULES[key] = mod
+    return mod
+
+
+def use_bf16(arr: cp.ndarray) -> int:
+    check_scalar(arr, "tensor")
+    return int(arr.dtype == np.uint16)
+
+
+def check_scalar(arr: cp.ndarray, name: str) -> None:
+    if arr.dtype not in SCALAR_DTYPES:
+        raise ValueError(f"{name}: expected float16 or bfloat16 (uint16 bits), got {arr.dtype}")
+
+
+def check(arr: cp.ndarray, name: str, dtype, shape: tuple | None = None, contiguous: bool = True) -> None:
+    if not isinstance(arr, cp.ndarray):
+        raise ValueError(f"{name}: expected a CuPy array, got {type(arr).__name__}")
+    if dtype is not None and arr.dtype != np.dtype(dtype):
+        raise ValueError(f"{name}: expected {np.dtype(dtype)}, got {arr.dtype}")
+    if shape is not None and tuple(arr.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(arr.shape)}")
+    if contiguous and not arr.flags.c_contiguous:
+        raise ValueError(f"{name}: must be C-contiguous")
+
+
+def same_scalar(a: cp.ndarray, b: cp.ndarray, names: str) -> None:
+    if a.dtype != b.dtype:
+        raise ValueError(f"{names}: 16-bit dtypes differ ({a.dtype} vs {b.dtype})")
+
+
+def i32(x) -> np.int32:
+    return np.int32(x)
+
+
+def i64(x) -> np.int64:
+    return np.int64(x)
+
+
+def f32(x) -> np.float32:
+    return np.float32(x)
+
+
+def ptr_or_null(arr: cp.ndarray | None):
+    """A device pointer argument that may be null."""
+    return arr if arr is not None else np.uint64(0)

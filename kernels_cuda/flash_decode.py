@@ -1,0 +1,48 @@
+"""Split-KV flash decoding (flash_decode.cu): a chunk kernel and a reduce kernel over a
+static grid that reads lengths and KV pointers from device arrays (graph-safe)."""
+
+from __future__ import annotations
+
+import cupy as cp
+import numpy as np
+
+from ._module import check, check_scalar, f32, i32, i64, module, use_bf16
+
+CHUNK_THREADS = 128
+
+
+def num_splits(max_model_len: int, chunk: int) -> int:
+    return max(1, -(-max_model_len // chunk))
+
+
+def flash_decode(q: cp.ndarray, k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, kv_lens: cp.ndarray,
+                 layer_offset: int, num_kv_heads: int, part_o: cp.ndarray, part_ml: cp.ndarray,
+                 out: cp.ndarray, scale: float, chunk: int = 256, window: int = 0) -> cp.ndarray:
+    """out (B, H, D) = softmax(q k^T * scale) v over each row's kv_lens[b] cached keys.
+
+    part_o (B, H, S, D) float32 and part_ml (B, H, S, 2) float32 are the split partials;
+    S (the number of splits) fixes the grid: S * chunk must cover the longest context.
+    """
+    if q.ndim != 3:
+        raise ValueError(f"q: expected (B, heads, head_dim), got {q.shape}")
+    B, H, D = q.shape
+    check_scalar(q, "q")
+    check(q, "q", q.dtype)
+    if H % num_kv_heads:
+        raise ValueError(f"{H} query heads are not a multiple of {num_kv_heads} KV heads")
+    if D % 8 or D > 256:
+        raise ValueError(f"head_dim {D} must be a multiple of 8 and at most 256")
+    S = part_o.shape[2] if part_o.ndim == 4 else -1
+    check(part_o, "part_o", np.float32, (B, H, S, D))
+    check(part_ml, "part_ml", np.float32, (B, H, S, 2))
+    for name, arr, dt in (("k_ptrs", k_ptrs, np.int64), ("v_ptrs", v_ptrs, np.int64), ("kv_lens", kv_lens, np.int32)):
+        check(arr, name, dt, (B,))
+    check(out, "out", q.dtype, (B, H, D))
+    mod = module("flash_decode", USE_BF16=use_bf16(q), HEAD_DIM=D, GROUP=H // num_kv_heads, CHUNK=chunk)
+    mod.get_function("flash_decode_chunk")(
+        (S, num_kv_heads, B), (CHUNK_THREADS,),
+        (q, k_ptrs, v_ptrs, kv_lens, i64(layer_offset), part_o, part_ml, i32(H), i32(num_kv_heads), i32(S),
+         i32(window), f32(scale)))
+    mod.get_function("flash_decode_reduce")(
+        (H, B), (min(D, 256),), (part_o, part_ml, kv_lens, out, i32(H), i32(S), i32(window)))
+    return out

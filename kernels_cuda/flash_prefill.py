@@ -1,0 +1,59 @@
+"""Causal flash attention for ragged prefill chunks over the KV cache (flash_prefill.cu)."""
+
+from __future__ import annotations
+
+import cupy as cp
+import numpy as np
+
+from ._module import check, check_scalar, f32, i32, i64, module, use_bf16
+
+BLOCK_M = 64
+BLOCK_N = 64
+THREADS = 128
+
+
+def smem_bytes(head_dim: int) -> int:
+    lds, ldp, ldf, ldo = head_dim + 8, BLOCK_N + 8, BLOCK_N + 4, head_dim + 4
+    return 2 * (BLOCK_M * lds + 2 * BLOCK_N * lds + BLOCK_M * ldp) + 4 * (BLOCK_M * ldf + BLOCK_M * ldo + 2 * BLOCK_M)
+
+
+def tiles(q_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(tile_seq, tile_q0): one tile per 64 queries of each sequence (host side)."""
+    counts = -(-q_lens // BLOCK_M)
+    tile_seq = np.repeat(np.arange(len(q_lens), dtype=np.int32), counts)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    tile_q0 = ((np.arange(tile_seq.size) - np.repeat(starts, counts)) * BLOCK_M).astype(np.int32)
+    return tile_seq, tile_q0
+
+
+def flash_prefill(q: cp.ndarray, tile_seq: cp.ndarray, tile_q0: cp.ndarray, seq_q_start: cp.ndarray,
+                  seq_q_len: cp.ndarray, seq_kv_len: cp.ndarray, k_ptrs: cp.ndarray, v_ptrs: cp.ndarray,
+                  layer_offset: int, num_kv_heads: int, scale: float, out: cp.ndarray, window: int = 0) -> cp.ndarray:
+    """out (T, H, D): each sequence's queries attend causally to its cached keys
+    [0, seq_kv_len) (the chunk's own keys already written), grouped by KV head."""
+    if q.ndim != 3:
+        raise ValueError(f"q: expected (T, heads, head_dim), got {q.shape}")
+    T, H, D = q.shape
+    check_scalar(q, "q")
+    check(q, "q", q.dtype)
+    if D % 16:
+        raise ValueError(f"head_dim {D} must be a multiple of 16")
+    if H % num_kv_heads:
+        raise ValueError(f"{H} query heads are not a multiple of {num_kv_heads} KV heads")
+    n_tiles = tile_seq.shape[0]
+    check(tile_seq, "tile_seq", np.int32)
+    check(tile_q0, "tile_q0", np.int32, (n_tiles,))
+    n_seqs = seq_q_start.shape[0]
+    for name, arr, dt in (("seq_q_start", seq_q_start, np.int32), ("seq_q_len", seq_q_len, np.int32),
+                          ("seq_kv_len", seq_kv_len, np.int32), ("k_ptrs", k_ptrs, np.int64),
+                          ("v_ptrs", v_ptrs, np.int64)):
+        check(arr, name, dt, (n_seqs,))
+    check(out, "out", q.dtype, (T, H, D))
+    if n_tiles:
+        kernel = module("flash_prefill", USE_BF16=use_bf16(q), HEAD_DIM=D).get_function("flash_prefill")
+        smem = smem_bytes(D)
+        kernel.max_dynamic_shared_size_bytes = smem
+        kernel((n_tiles, H), (THREADS,),
+               (q, out, tile_seq, tile_q0, seq_q_start, seq_q_len, seq_kv_len, k_ptrs, v_ptrs, i64(layer_offset),
+                i32(H), i32(num_kv_heads), i32(window), f32(scale)), shared_mem=smem)
+    return out

@@ -1,0 +1,32 @@
+"""Matrix-vector products for decode batches of 1 to 8 rows (gemv.cu)."""
+
+from __future__ import annotations
+
+import cupy as cp
+import numpy as np
+
+from ._module import check, i32, module, same_scalar, use_bf16
+
+MAX_ROWS = 8
+WARPS = 8
+
+
+def gemv(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray | None = None) -> cp.ndarray:
+    """out (B, N) float32 = x (B, K) @ w (N, K)^T; B <= 8, K a multiple of 8, 16-bit operands."""
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"gemv: x {x.shape} and w {w.shape} do not chain")
+    B, K = x.shape
+    N = w.shape[0]
+    if not 1 <= B <= MAX_ROWS:
+        raise ValueError(f"gemv: {B} rows (1..{MAX_ROWS}); use gemm for more")
+    if K % 8:
+        raise ValueError(f"gemv: K={K} must be a multiple of 8")
+    same_scalar(x, w, "x, w")
+    check(x, "x", x.dtype)
+    check(w, "w", w.dtype)
+    if out is None:
+        out = cp.empty((B, N), np.float32)
+    check(out, "out", np.float32, (B, N))
+    module("gemv", USE_BF16=use_bf16(w)).get_function(f"gemv_{B}")(
+        ((N + WARPS - 1) // WARPS,), (32 * WARPS,), (x, w, out, i32(N), i32(K)))
+    return out

@@ -1,0 +1,52 @@
+"""RMSNorm and fused residual-add + RMSNorm (rmsnorm.cu)."""
+
+from __future__ import annotations
+
+import cupy as cp
+import numpy as np
+
+from ._module import check, check_scalar, f32, i32, module, ptr_or_null, use_bf16
+
+THREADS = 512
+
+
+def _out(out, rows, hidden, dtype):
+    if out is None:
+        out = cp.empty((rows, hidden), dtype)
+    check_scalar(out, "out")
+    check(out, "out", out.dtype, (rows, hidden))
+    return out
+
+
+def rms_norm(x: cp.ndarray, weight: cp.ndarray, eps: float, out: cp.ndarray | None = None,
+             out_dtype=np.float16) -> cp.ndarray:
+    """out (rows, hidden) 16-bit = x / rms(x) * weight; x float32, weight float32."""
+    if x.ndim != 2:
+        raise ValueError(f"x: expected (rows, hidden), got {x.shape}")
+    rows, hidden = x.shape
+    check(x, "x", np.float32)
+    check(weight, "weight", np.float32, (hidden,))
+    out = _out(out, rows, hidden, out_dtype)
+    if rows:
+        module("rmsnorm", USE_BF16=use_bf16(out)).get_function("rms_norm")(
+            (rows,), (THREADS,), (x, weight, out, i32(hidden), f32(eps)))
+    return out
+
+
+def add_rms_norm(residual: cp.ndarray, delta: cp.ndarray, weight: cp.ndarray, eps: float,
+                 out: cp.ndarray | None = None, bias: cp.ndarray | None = None,
+                 out_dtype=np.float16) -> cp.ndarray:
+    """residual += delta (+ bias), in place; out = rms_norm(residual) * weight."""
+    if residual.ndim != 2:
+        raise ValueError(f"residual: expected (rows, hidden), got {residual.shape}")
+    rows, hidden = residual.shape
+    check(residual, "residual", np.float32)
+    check(delta, "delta", np.float32, (rows, hidden))
+    check(weight, "weight", np.float32, (hidden,))
+    if bias is not None:
+        check(bias, "bias", np.float32, (hidden,))
+    out = _out(out, rows, hidden, out_dtype)
+    if rows:
+        module("rmsnorm", USE_BF16=use_bf16(out)).get_function("add_rms_norm")(
+            (rows,), (THREADS,), (residual, delta, ptr_or_null(bias), weight, out, i32(hidden), f32(eps)))
+    return out

@@ -1,0 +1,56 @@
+// RoPE (HF's rotate-half layout; llama3 / linear scaling are in the cos/sin table)
+// fused with the KV-cache write. Reads the float32 QKV product of one layer, adds the
+// q/k/v bias if the model has one, rotates q and k, writes q (16-bit) for attention
+// and k, v into each token's KV slot.
+//
+// -DHEAD_DIM (even). KV pool layout: (layers, slots, kv_heads, HEAD_DIM); a token's
+// K row is at k_ptrs[t] + layer_offset + position * kv_heads * HEAD_DIM (elements).
+#include "common.cuh"
+
+#ifndef HEAD_DIM
+#define HEAD_DIM 128
+#endif
+#define HALF (HEAD_DIM / 2)
+
+extern "C" __global__ void rope_kv_write(
+    const float *__restrict__ qkv,        // (T, (H + 2 KVH) * HEAD_DIM)
+    const float *__restrict__ bias,        // ((H + 2 KVH) * HEAD_DIM) or null
+    const int *__restrict__ positions,     // (T)
+    const float *__restrict__ cos_table,   // (max_len, HALF)
+    const float *__restrict__ sin_table,
+    scalar_t *__restrict__ q_out,          // (T, H, HEAD_DIM)
+    const long long *__restrict__ k_ptrs,  // (T) element addresses of each token's K region (layer 0)
+    const long long *__restrict__ v_ptrs,
+    long long layer_offset, int num_heads, int num_kv_heads) {
+    const long long t = blockIdx.x;
+    const int width = (num_heads + 2 * num_kv_heads) * HEAD_DIM;
+    const float *row = qkv + t * width;
+    const int pos = positions[t];
+    const float *c = cos_table + (long long)pos * HALF;
+    const float *s = sin_table + (long long)pos * HALF;
+    scalar_t *k_dst = reinterpret_cast<scalar_t *>(k_ptrs[t]) + layer_offset + (long long)pos * num_kv_heads * HEAD_DIM;
+    scalar_t *v_dst = reinterpret_cast<scalar_t *>(v_ptrs[t]) + layer_offset + (long long)pos * num_kv_heads * HEAD_DIM;
+    const int rot_pairs = (num_heads + num_kv_heads) * HALF;
+    for (int i = threadIdx.x; i < rot_pairs; i += blockDim.x) {
+        const int head = i / HALF, j = i % HALF;
+        const int base = head * HEAD_DIM;
+        float x1 = row[base + j], x2 = row[base + j + HALF];
+        if (bias != nullptr) {
+            x1 += bias[base + j];
+            x2 += bias[base + j + HALF];
+        }
+        const float o1 = x1 * c[j] - x2 * s[j];
+        const float o2 = x2 * c[j] + x1 * s[j];
+        if (head < num_heads) {
+            q_out[t * num_heads * HEAD_DIM + base + j] = from_float(o1);
+            q_out[t * num_heads * HEAD_DIM + base + j + HALF] = from_float(o2);
+        } else {
+            const int kb = (head - num_heads) * HEAD_DIM;
+            k_dst[kb + j] = from_float(o1);
+            k_dst[kb + j + HALF] = from_float(o2);
+        }
+    }
+    const int v_off = (num_heads + num_kv_heads) * HEAD_DIM;
+    for (int i = threadIdx.x; i < num_kv_heads * HEAD_DIM; i += blockDim.x)
+        v_dst[i] = from_float(row[v_off + i] + (bias != nullptr ? bias[v_off + i] : 0.0f));
+}

@@ -1,0 +1,39 @@
+"""RoPE fused with the KV-cache write (rope.cu)."""
+
+from __future__ import annotations
+
+import cupy as cp
+import numpy as np
+
+from ._module import check, check_scalar, i32, i64, module, ptr_or_null, use_bf16
+
+
+def rope_kv_write(qkv: cp.ndarray, positions: cp.ndarray, cos: cp.ndarray, sin: cp.ndarray,
+                  k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, layer_offset: int, num_heads: int, num_kv_heads: int,
+                  head_dim: int, q_out: cp.ndarray, bias: cp.ndarray | None = None) -> cp.ndarray:
+    """Rotate q, k of a layer's QKV product; write q to q_out (T, H, D) and k, v into the cache.
+
+    k_ptrs / v_ptrs (T,) int64: element addresses of each token's K / V region (layer 0);
+    the token at position p of layer l lands at ptr + layer_offset + p * kv_heads * head_dim.
+    """
+    if qkv.ndim != 2:
+        raise ValueError(f"qkv: expected (T, width), got {qkv.shape}")
+    T = qkv.shape[0]
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    check(qkv, "qkv", np.float32, (T, width))
+    check(positions, "positions", np.int32, (T,))
+    check(cos, "cos", np.float32)
+    check(sin, "sin", np.float32, cos.shape)
+    if cos.ndim != 2 or cos.shape[1] != head_dim // 2:
+        raise ValueError(f"cos: expected (max_len, {head_dim // 2}), got {cos.shape}")
+    check(k_ptrs, "k_ptrs", np.int64, (T,))
+    check(v_ptrs, "v_ptrs", np.int64, (T,))
+    check_scalar(q_out, "q_out")
+    check(q_out, "q_out", q_out.dtype, (T, num_heads, head_dim))
+    if bias is not None:
+        check(bias, "bias", np.float32, (width,))
+    if T:
+        module("rope", USE_BF16=use_bf16(q_out), HEAD_DIM=head_dim).get_function("rope_kv_write")(
+            (T,), (256,), (qkv, ptr_or_null(bias), positions, cos, sin, q_out, k_ptrs, v_ptrs, i64(layer_offset),
+                           i32(num_heads), i32(num_kv_heads)))
+    return q_out

@@ -1,0 +1,66 @@
+"""GPU sampling and logprobs (sampling.cu), with the NumPy runner's semantics."""
+
+from __future__ import annotations
+
+import cupy as cp
+import numpy as np
+
+from ._module import check, i32, module
+
+THREADS = 1024
+
+
+def sample_tokens(logits: cp.ndarray, work: cp.ndarray, params: dict[str, cp.ndarray], counts: cp.ndarray,
+                  prompt_mask: cp.ndarray, sampled: cp.ndarray, rows: int | None = None) -> cp.ndarray:
+    """Sample one token per row of logits (R, V) float32 into sampled (R,) int32.
+
+    params: per-row device arrays temperature, top_p, min_p, rep_pen, freq_pen, pres_pen
+    (float32); top_k, counters, pen_slot, bias_n, banned_n (int32); seeds (uint64);
+    bias_ids (R, max_bias) int32, bias_vals (R, max_bias) float32, banned_ids
+    (R, max_banned) int32. counts (slots, V) int32 and prompt_mask (slots, ceil(V/32))
+    uint32 hold the penalty state of the slots named by pen_slot.
+    """
+    R, V = logits.shape
+    rows = R if rows is None else rows
+    check(logits, "logits", np.float32)
+    check(work, "work", np.float32)
+    if work.shape[1] != V or work.shape[0] < rows:
+        raise ValueError(f"work: expected at least ({rows}, {V}), got {work.shape}")
+    for name in ("temperature", "top_p", "min_p", "rep_pen", "freq_pen", "pres_pen"):
+        check(params[name], name, np.float32)
+    for name in ("top_k", "counters", "pen_slot", "bias_n", "banned_n"):
+        check(params[name], name, np.int32)
+    check(params["seeds"], "seeds", np.uint64)
+    check(counts, "counts", np.int32)
+    if counts.shape[1] != V:
+        raise ValueError(f"counts: expected (slots, {V}), got {counts.shape}")
+    check(prompt_mask, "prompt_mask", np.uint32, (counts.shape[0], (V + 31) // 32))
+    check(sampled, "sampled", np.int32)
+    p = params
+    if rows:
+        module("sampling").get_function("sample_tokens")(
+            (rows,), (THREADS,),
+            (logits, work, i32(V), p["temperature"], p["top_k"], p["top_p"], p["min_p"], p["seeds"], p["counters"],
+             p["rep_pen"], p["freq_pen"], p["pres_pen"], p["pen_slot"], counts, prompt_mask,
+             p["bias_n"], p["bias_ids"], p["bias_vals"], i32(p["bias_ids"].shape[1]),
+             p["banned_n"], p["banned_ids"], i32(p["banned_ids"].shape[1]), sampled))
+    return sampled
+
+
+def token_logprobs(logits: cp.ndarray, lp_n: cp.ndarray, target_ids: cp.ndarray, out_lp: cp.ndarray,
+                   out_rank: cp.ndarray, top_ids: cp.ndarray, top_lp: cp.ndarray, rows: int | None = None) -> None:
+    """Per row with lp_n >= 0: logprob and rank of target_ids[row] under the raw logits,
+    and the lp_n (<= top_ids.shape[1]) most likely tokens with their logprobs."""
+    R, V = logits.shape
+    rows = R if rows is None else rows
+    check(logits, "logits", np.float32)
+    check(lp_n, "lp_n", np.int32)
+    check(target_ids, "target_ids", np.int32)
+    check(out_lp, "out_lp", np.float32)
+    check(out_rank, "out_rank", np.int32)
+    check(top_ids, "top_ids", np.int32)
+    check(top_lp, "top_lp", np.float32, top_ids.shape)
+    if rows:
+        module("sampling").get_function("token_logprobs")(
+            (rows,), (THREADS,), (logits, i32(V), lp_n, target_ids, out_lp, out_rank, top_ids, top_lp,
+                                  i32(top_ids.shape[1])))

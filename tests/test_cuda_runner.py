@@ -1,0 +1,170 @@
+"""The CUDA runner against the NumPy runner, and through the engine (GPU only)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+cp = pytest.importorskip("cupy")
+
+from engine import Engine, EngineConfig, SamplingParams, SchedulerConfig  # noqa: E402
+from engine.config import CacheConfig  # noqa: E402
+from engine.loader import load_model  # noqa: E402
+from engine.outputs import ScheduledSeq, SchedulerOutput  # noqa: E402
+from engine.runner.numpy_runner import NumpyRunner  # noqa: E402
+from tests.runner_helpers import REGION, decode_step, prefill_step  # noqa: E402
+from tests.tiny_models import VOCAB, build_tiny_model  # noqa: E402
+
+DATA = json.loads((Path(__file__).parent / "data" / "llamacpp_smollm2.json").read_text(encoding="utf-8"))
+
+
+def cuda_runner(model, max_model_len=2048, max_num_seqs=16, eager=False, kv_bytes=1 << 30):
+    from engine.runner.cuda_runner import CudaRunner
+    config = EngineConfig(model="test", device="cuda", enforce_eager=eager, cache=CacheConfig(kv_cache_bytes=kv_bytes),
+                          scheduler=SchedulerConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                                                    max_num_batched_tokens=max(2048, max_num_seqs)))
+    return CudaRunner(config, model, progress=False)
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
+
+
+@pytest.fixture(scope="module")
+def smollm2_gpu(smollm2):
+    return cuda_runner(smollm2)
+
+
+def test_smollm2_matches_the_numpy_runner(smollm2_gpu, smollm2_runner):
+    ids = DATA["teacher"]["ids"]
+    ref = smollm2_runner.forward(prefill_step([ids]), all_logits=True)
+    got = smollm2_gpu.forward(prefill_step([ids]), all_logits=True)
+    cos = cosines(got, ref)
+    agree = (got.argmax(1) == ref.argmax(1)).mean()
+    print(f"SmolLM2 GPU vs NumPy: min cosine {cos.min():.5f}, mean {cos.mean():.5f}, top-1 agreement {agree:.4f}")
+    assert cos.min() >= 0.999 and agree >= 0.99
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "llama_tied_mha"])
+def test_tiny_models_match_the_numpy_runner(tmp_path, name):
+    path = build_tiny_model(tmp_path, name, seed=5)
+    model = load_model(str(path), with_tokenizer=False)
+    ref_runner = NumpyRunner(model.config, model.weights, num_kv_slots=REGION * 3, max_model_len=REGION,
+                             progress=False)
+    gpu = cuda_runner(model, max_model_len=REGION)
+    r = np.random.default_rng(3)
+    prompts = [r.integers(0, VOCAB, n).tolist() for n in (5, 17, 130)]  # ragged, one over two prefill tiles
+    cont = [r.integers(0, VOCAB, 6).tolist() for _ in prompts]
+    ref = [ref_runner.forward(prefill_step(prompts), all_logits=True)]
+    got = [gpu.forward(prefill_step(prompts), all_logits=True)]
+    pos = [len(p) for p in prompts]
+    for step in range(6):
+        out = decode_step([c[step] for c in cont], [p + step for p in pos])
+        ref.append(ref_runner.forward(out))
+        got.append(gpu.forward(out))
+    ref, got = np.concatenate(ref), np.concatenate(got)
+    cos = cosines(got, ref)
+    agree = (got.argmax(1) == ref.argmax(1)).mean()
+    print(f"{name}: min cosine {cos.min():.5f}, top-1 agreement {agree:.4f}")
+    assert cos.min() >= 0.999 and agree >= 0.99
+
+
+def test_long_context_uses_many_splits(tmp_path):
+    path = build_tiny_model(tmp_path, "llama", seed=7)
+    model = load_model(str(path), with_tokenizer=False)
+    n = 4500
+    ref_runner = NumpyRunner(model.config, model.weights, num_kv_slots=8192, max_model_len=8192, progress=False)
+    gpu = cuda_runner(model, max_model_len=8192)
+    assert gpu.max_splits >= 16
+    ids = np.random.default_rng(1).integers(0, VOCAB, n).tolist()
+    ref = [ref_runner.forward(SchedulerOutput([ScheduledSeq(0, ids, 0, 0, True)]))]
+    got = [gpu.forward(SchedulerOutput([ScheduledSeq(0, ids, 0, 0, True)]))]
+    for step, tok in enumerate([5, 9, 11]):  # decode at ~4.5k context: 18 splits
+        out = SchedulerOutput([ScheduledSeq(0, [tok], n + step, 0, True)])
+        ref.append(ref_runner.forward(out))
+        got.append(gpu.forward(out))
+    cos = cosines(np.concatenate(got), np.concatenate(ref))
+    assert cos.min() >= 0.999, cos
+
+
+def _decode_rows(runner, B: int, step: int):
+    rows = [ScheduledSeq(i, [(7 * i + step) % 1000 + 3], 10 + step, i * 64, True,
+                         SamplingParams(temperature=0), rng_seed=i) for i in range(B)]
+    return SchedulerOutput(rows)
+
+
+def test_graph_replay_equals_eager_bit_for_bit(smollm2):
+    graphed = cuda_runner(smollm2, max_num_seqs=8)
+    eager = cuda_runner(smollm2, max_num_seqs=8, eager=True)
+    assert graphed.graphs and not eager.graphs
+    prompt = [SchedulerOutput([ScheduledSeq(i, list(range(5, 15)), 0, i * 64, True, SamplingParams(temperature=0))
+                               for i in range(5)])]
+    for r in (graphed, eager):
+        r.execute(prompt[0])
+    for step in range(4):
+        a = graphed.execute(_decode_rows(graphed, 5, step))
+        b = eager.execute(_decode_rows(eager, 5, step))
+        assert a.sampled == b.sampled
+        np.testing.assert_array_equal(cp.asnumpy(graphed.buffers.logits[:5]), cp.asnumpy(eager.buffers.logits[:5]))
+
+
+@pytest.fixture(scope="module")
+def gpu_engine(smollm2, smollm2_path):
+    config = EngineConfig(model=smollm2_path, device="cuda", cache=CacheConfig(kv_cache_bytes=2 << 30),
+                          scheduler=SchedulerConfig(max_model_len=2048, max_num_seqs=32))
+    return Engine(config, model=smollm2)
+
+
+def generate(engine, prompts, params):
+    outs = {}
+    for i, p in enumerate(prompts):
+        ids = engine.tokenizer.encode(p)
+        engine.add_request(ids, params, lambda o, i=i: outs.setdefault(i, []).append(o))
+    while engine.has_work():
+        engine.step()
+    return [[t for o in outs[i] for piece in o.outputs for t in piece.token_ids] for i in range(len(prompts))]
+
+
+PROMPTS = ["The capital of France is", "def quicksort(arr):", "Once upon a time,", "The three primary colors are",
+           "To be or not to be,", "import numpy as np\n", "My favourite food is", "In 1969, the first man on"]
+
+
+def test_engine_greedy_on_gpu_and_batch_invariance(gpu_engine):
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    together = generate(gpu_engine, PROMPTS, params)
+    for i, p in enumerate(PROMPTS):
+        assert generate(gpu_engine, [p], params)[0] == together[i], p
+    text = gpu_engine.tokenizer.decode(together[0])
+    assert text.startswith(" Paris"), text
+
+
+def test_engine_sampling_features_on_gpu(gpu_engine):
+    seeded = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, top_k=40, seed=3, logprobs=2,
+                            repetition_penalty=1.2, logit_bias={11: -5.0})
+    a = generate(gpu_engine, [PROMPTS[2]], seeded)[0]
+    b = generate(gpu_engine, PROMPTS[:2] + [PROMPTS[2]], seeded)[2]
+    assert a == b and len(a) == 16
+    stop = generate(gpu_engine, ["Count: 1, 2, 3,"], SamplingParams(max_tokens=40, temperature=0,
+                                                                     stop_token_ids=[gpu_engine.tokenizer.encode(",")[0]]))
+    assert len(stop[0]) < 40
+    n3 = generate(gpu_engine, ["Once upon a time"], SamplingParams(max_tokens=8, temperature=1.0, n=3, seed=5))
+    assert len(n3[0]) == 24
+    assert gpu_engine.scheduler.kv.usage == 0.0
+
+
+def test_prompt_logprobs_on_gpu_match_cpu(gpu_engine, smollm2_runner):
+    ids = gpu_engine.tokenizer.encode("The capital of France is Paris")
+    outs = []
+    gpu_engine.add_request(ids, SamplingParams(max_tokens=0, prompt_logprobs=2), outs.append)
+    while gpu_engine.has_work():
+        gpu_engine.step()
+    lps = [o for o in outs if o.prompt_logprobs is not None][0].prompt_logprobs
+    ref = smollm2_runner.forward(prefill_step([ids]), all_logits=True)
+    ref_lp = ref - np.log(np.exp(ref - ref.max(1, keepdims=True)).sum(1, keepdims=True)) - ref.max(1, keepdims=True)
+    assert [lp.token_id for lp in lps] == ids[1:]
+    for j, lp in enumerate(lps):
+        assert lp.logprob == pytest.approx(ref_lp[j, ids[j + 1]], abs=0.05)

@@ -1,0 +1,350 @@
+"""Every CUDA kernel against a short NumPy reference, on awkward sizes (GPU only)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+cp = pytest.importorskip("cupy")
+
+from engine.loader.quants import bf16_to_f32, f32_to_bf16_bits  # noqa: E402
+from engine.outputs import ScheduledSeq, SchedulerOutput  # noqa: E402
+from engine.request import SamplingParams  # noqa: E402
+from engine.runner.sampling import log_softmax, sample_rows  # noqa: E402
+
+DTYPES = ["float16", "bfloat16"]
+
+
+def to_dev(x: np.ndarray, dtype: str) -> cp.ndarray:
+    if dtype == "bfloat16":
+        return cp.asarray(f32_to_bf16_bits(x))
+    return cp.asarray(x.astype(np.float16))
+
+
+def from_dev(x: cp.ndarray) -> np.ndarray:
+    host = cp.asnumpy(x)
+    return bf16_to_f32(host) if host.dtype == np.uint16 else host.astype(np.float32)
+
+
+def rounded(x: np.ndarray, dtype: str) -> np.ndarray:
+    """x as the 16-bit type stores it, back in float32."""
+    return bf16_to_f32(f32_to_bf16_bits(x)) if dtype == "bfloat16" else x.astype(np.float16).astype(np.float32)
+
+
+def tol(dtype: str) -> float:
+    return 2e-2 if dtype == "bfloat16" else 3e-3
+
+
+def rel(a, b) -> float:
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12))
+
+
+rng = np.random.default_rng(0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_embedding(dtype):
+    from kernels_cuda.embedding import embedding
+    table = rng.standard_normal((111, 40)).astype(np.float32)
+    ids = rng.integers(0, 111, 13).astype(np.int32)
+    out = embedding(cp.asarray(ids), to_dev(table, dtype))
+    np.testing.assert_array_equal(cp.asnumpy(out), rounded(table, dtype)[ids])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_and_fused_add(dtype):
+    from kernels_cuda.rmsnorm import add_rms_norm, rms_norm
+    x = rng.standard_normal((7, 1000)).astype(np.float32)
+    d = rng.standard_normal((7, 1000)).astype(np.float32)
+    w = rng.standard_normal(1000).astype(np.float32)
+    bias = rng.standard_normal(1000).astype(np.float32)
+    odt = np.uint16 if dtype == "bfloat16" else np.float16
+
+    def ref(v):
+        return v / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + 1e-5) * w
+
+    out = rms_norm(cp.asarray(x), cp.asarray(w), 1e-5, out_dtype=odt)
+    assert rel(from_dev(out), ref(x)) < tol(dtype)
+    res = cp.asarray(x)
+    out = add_rms_norm(res, cp.asarray(d), cp.asarray(w), 1e-5, bias=cp.asarray(bias), out_dtype=odt)
+    np.testing.assert_allclose(cp.asnumpy(res), x + d + bias, rtol=1e-6, atol=1e-6)
+    assert rel(from_dev(out), ref(x + d + bias)) < tol(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(dtype):
+    from kernels_cuda.activation import silu_mul
+    gu = rng.standard_normal((5, 666)).astype(np.float32) * 4
+    g, u = gu[:, :333], gu[:, 333:]
+    out = silu_mul(cp.asarray(gu), out_dtype=np.uint16 if dtype == "bfloat16" else np.float16)
+    assert rel(from_dev(out), g / (1 + np.exp(-g)) * u) < tol(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_rope_kv_write(dtype, head_dim, with_bias):
+    from kernels_cuda.rope import rope_kv_write
+    T, H, KVH, slots, layers = 9, 6, 2, 50, 3
+    qkv = rng.standard_normal((T, (H + 2 * KVH) * head_dim)).astype(np.float32)
+    bias = rng.standard_normal(qkv.shape[1]).astype(np.float32) if with_bias else None
+    pos = rng.integers(0, 20, T).astype(np.int32)
+    starts = rng.choice(np.arange(0, 25), T, replace=False)  # each token its own region start
+    inv = 1.0 / 10000 ** (np.arange(0, head_dim, 2) / head_dim)
+    ang = np.arange(64)[:, None] * inv[None]
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    layer = 1
+    k_cache = cp.zeros((layers, slots, KVH, head_dim), np.uint16 if dtype == "bfloat16" else np.float16)
+    v_cache = cp.zeros_like(k_cache)
+    slot_bytes = KVH * head_dim * 2
+    kp = cp.asarray(k_cache.data.ptr + starts * slot_bytes, dtype=cp.int64)
+    vp = cp.asarray(v_cache.data.ptr + starts * slot_bytes, dtype=cp.int64)
+    q_out = cp.zeros((T, H, head_dim), k_cache.dtype)
+    rope_kv_write(cp.asarray(qkv), cp.asarray(pos), cp.asarray(cos), cp.asarray(sin), kp, vp,
+                  layer * slots * KVH * head_dim, H, KVH, head_dim, q_out,
+                  bias=cp.asarray(bias) if with_bias else None)
+    x = qkv + (bias if with_bias else 0)
+    heads = x.reshape(T, H + 2 * KVH, head_dim)
+    half = head_dim // 2
+    c, s = cos[pos][:, None], sin[pos][:, None]
+    rot = np.concatenate([heads[..., :half] * c - heads[..., half:] * s, heads[..., half:] * c + heads[..., :half] * s], -1)
+    assert rel(from_dev(q_out), rot[:, :H]) < tol(dtype)
+    kc, vc = from_dev(k_cache), from_dev(v_cache)
+    for t in range(T):
+        assert rel(kc[layer, starts[t] + pos[t]], rot[t, H:H + KVH]) < tol(dtype)
+        assert rel(vc[layer, starts[t] + pos[t]], heads[t, H + KVH:]) < tol(dtype)
+    assert not kc[0].any() and not kc[2].any()  # other layers untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B", [1, 3, 8])
+def test_gemv(dtype, B):
+    from kernels_cuda.gemv import gemv
+    x = rng.standard_normal((B, 264)).astype(np.float32)
+    w = rng.standard_normal((111, 264)).astype(np.float32)
+    out = gemv(to_dev(x, dtype), to_dev(w, dtype))
+    ref = rounded(x, dtype).astype(np.float64) @ rounded(w, dtype).T.astype(np.float64)
+    np.testing.assert_allclose(cp.asnumpy(out), ref, rtol=1e-4, atol=1e-3)
+
+
+def test_gemv_rows_do_not_depend_on_the_batch():
+    from kernels_cuda.gemv import gemv
+    x = to_dev(rng.standard_normal((8, 512)).astype(np.float32), "float16")
+    w = to_dev(rng.standard_normal((100, 512)).astype(np.float32), "float16")
+    together = cp.asnumpy(gemv(x, w))
+    for b in range(8):
+        np.testing.assert_array_equal(cp.asnumpy(gemv(x[b:b + 1], w))[0], together[b])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemm(dtype):
+    from kernels_cuda.gemm import gemm
+    x = rng.standard_normal((37, 200)).astype(np.float32)
+    w = rng.standard_normal((111, 200)).astype(np.float32)
+    out = gemm(to_dev(x, dtype), to_dev(w, dtype))
+    ref = rounded(x, dtype).astype(np.float64) @ rounded(w, dtype).T.astype(np.float64)
+    np.testing.assert_allclose(cp.asnumpy(out), ref, rtol=1e-3, atol=1e-2)
+
+
+# --------------------------------------------------------------------- attention
+
+
+def ref_attention(q, keys, values, q_positions, window=0):
+    """q (n, H, D); keys/values (L, KVH, D) of one sequence; causal by position."""
+    n, H, D = q.shape
+    KVH = keys.shape[1]
+    G = H // KVH
+    out = np.zeros_like(q, dtype=np.float64)
+    for i in range(n):
+        p = q_positions[i]
+        lo = max(0, p - window + 1) if window else 0
+        for h in range(H):
+            k = keys[lo:p + 1, h // G].astype(np.float64)
+            v = values[lo:p + 1, h // G].astype(np.float64)
+            s = k @ q[i, h].astype(np.float64) / np.sqrt(D)
+            e = np.exp(s - s.max())
+            out[i, h] = (e / e.sum()) @ v
+    return out
+
+
+def make_cache(dtype, layers, slots, KVH, D):
+    kc = rng.standard_normal((layers, slots, KVH, D)).astype(np.float32)
+    vc = rng.standard_normal((layers, slots, KVH, D)).astype(np.float32)
+    return kc, vc, to_dev(kc, dtype), to_dev(vc, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 12, 3), (128, 6, 1), (128, 8, 8)])
+@pytest.mark.parametrize("window", [0, 300])
+def test_flash_decode(dtype, head_dim, heads, kv_heads, window):
+    from kernels_cuda.flash_decode import flash_decode
+    kv_lens = np.array([1, 17, 300, 5000, 0], np.int32)  # 5000: 20 splits of 256; 0: a padding row
+    starts = np.array([0, 10, 100, 500, 0])
+    layers, layer, slots = 2, 1, 5600
+    kc, vc, dk, dv = make_cache(dtype, layers, slots, kv_heads, head_dim)
+    B = len(kv_lens)
+    q = rng.standard_normal((B, heads, head_dim)).astype(np.float32)
+    slot_bytes = kv_heads * head_dim * 2
+    kp = cp.asarray(dk.data.ptr + starts * slot_bytes, dtype=cp.int64)
+    vp = cp.asarray(dv.data.ptr + starts * slot_bytes, dtype=cp.int64)
+    S = 24
+    out = cp.zeros((B, heads, head_dim), dk.dtype)
+    flash_decode(to_dev(q, dtype), kp, vp, cp.asarray(kv_lens), layer * slots * kv_heads * head_dim, kv_heads,
+                 cp.zeros((B, heads, S, head_dim), np.float32), cp.zeros((B, heads, S, 2), np.float32), out,
+                 1 / np.sqrt(head_dim), chunk=256, window=window)
+    got = from_dev(out)
+    kr, vr, qr = rounded(kc, dtype), rounded(vc, dtype), rounded(q, dtype)
+    for b in range(B):
+        if kv_lens[b] == 0:
+            assert not got[b].any()
+            continue
+        L = kv_lens[b]
+        ref = ref_attention(qr[b:b + 1], kr[layer, starts[b]:starts[b] + L], vr[layer, starts[b]:starts[b] + L],
+                            [L - 1], window)[0]
+        assert rel(got[b], ref) < tol(dtype), (b, rel(got[b], ref))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("window", [0, 50])
+def test_flash_prefill_ragged_with_cached_prefix(dtype, head_dim, window):
+    from kernels_cuda.flash_prefill import flash_prefill, tiles
+    H, KVH = 6, 2
+    q_lens = np.array([1, 70, 130, 64], np.int32)
+    start_pos = np.array([0, 5, 100, 0], np.int32)  # chunks after cached prefixes
+    kv_lens = start_pos + q_lens
+    region_starts = np.array([0, 300, 600, 1000])
+    layers, layer, slots = 2, 0, 1200
+    kc, vc, dk, dv = make_cache(dtype, layers, slots, KVH, head_dim)
+    T = int(q_lens.sum())
+    q = rng.standard_normal((T, H, head_dim)).astype(np.float32)
+    q_start = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int32)
+    slot_bytes = KVH * head_dim * 2
+    tile_seq, tile_q0 = tiles(q_lens)
+    out = cp.zeros((T, H, head_dim), dk.dtype)
+    flash_prefill(to_dev(q, dtype), cp.asarray(tile_seq), cp.asarray(tile_q0), cp.asarray(q_start),
+                  cp.asarray(q_lens), cp.asarray(kv_lens.astype(np.int32)),
+                  cp.asarray(dk.data.ptr + region_starts * slot_bytes, dtype=cp.int64),
+                  cp.asarray(dv.data.ptr + region_starts * slot_bytes, dtype=cp.int64),
+                  layer * slots * KVH * head_dim, KVH, 1 / np.sqrt(head_dim), out, window=window)
+    got = from_dev(out)
+    kr, vr, qr = rounded(kc, dtype), rounded(vc, dtype), rounded(q, dtype)
+    for s in range(len(q_lens)):
+        sl = slice(q_start[s], q_start[s] + q_lens[s])
+        r0 = region_starts[s]
+        ref = ref_attention(qr[sl], kr[layer, r0:r0 + kv_lens[s]], vr[layer, r0:r0 + kv_lens[s]],
+                            np.arange(start_pos[s], kv_lens[s]), window)
+        assert rel(got[sl], ref) < tol(dtype), (s, rel(got[sl], ref))
+
+
+# --------------------------------------------------------------------- sampling
+
+
+V = 1500
+
+
+def sampling_buffers(R, max_bias=16, max_banned=8):
+    z32 = lambda: cp.zeros(R, np.float32)  # noqa: E731
+    zi = lambda: cp.zeros(R, np.int32)  # noqa: E731
+    return {"temperature": z32(), "top_k": zi(), "top_p": cp.ones(R, np.float32), "min_p": z32(),
+            "seeds": cp.zeros(R, np.uint64), "counters": zi(), "rep_pen": cp.ones(R, np.float32),
+            "freq_pen": z32(), "pres_pen": z32(), "pen_slot": cp.full(R, -1, np.int32), "bias_n": zi(),
+            "banned_n": zi(), "bias_ids": cp.zeros((R, max_bias), np.int32),
+            "bias_vals": cp.zeros((R, max_bias), np.float32), "banned_ids": cp.zeros((R, max_banned), np.int32)}
+
+
+def gpu_sample(logits: np.ndarray, params: SamplingParams, seeds: np.ndarray, output_tokens=None,
+               prompt_tokens=None, eos=()):
+    from kernels_cuda.sampling import sample_tokens
+    R = logits.shape[0]
+    p = sampling_buffers(R)
+    p["temperature"][:] = params.temperature
+    p["top_k"][:] = params.top_k or 0
+    p["top_p"][:] = params.top_p
+    p["min_p"][:] = params.min_p
+    p["seeds"][:] = cp.asarray(seeds.astype(np.uint64))
+    p["counters"][:] = len(output_tokens or [])
+    counts = cp.zeros((2, V), np.int32)
+    mask = cp.zeros((2, (V + 31) // 32), np.uint32)
+    if params.repetition_penalty != 1 or params.frequency_penalty or params.presence_penalty:
+        p["rep_pen"][:] = params.repetition_penalty
+        p["freq_pen"][:] = params.frequency_penalty
+        p["pres_pen"][:] = params.presence_penalty
+        p["pen_slot"][:] = 0
+        counts[0] = cp.asarray(np.bincount(output_tokens or [], minlength=V).astype(np.int32))
+        m = np.zeros((V + 31) // 32, np.uint32)
+        for t in set(prompt_tokens or []):
+            m[t >> 5] |= np.uint32(1 << (t & 31))
+        mask[0] = cp.asarray(m)
+    if params.logit_bias:
+        ids = list(params.logit_bias)
+        p["bias_n"][:] = len(ids)
+        p["bias_ids"][:, :len(ids)] = cp.asarray(np.array(ids, np.int32))
+        p["bias_vals"][:, :len(ids)] = cp.asarray(np.array(list(params.logit_bias.values()), np.float32))
+    if params.min_tokens and len(output_tokens or []) < params.min_tokens:
+        banned = list(params.stop_token_ids) + list(eos)
+        p["banned_n"][:] = len(banned)
+        p["banned_ids"][:, :len(banned)] = cp.asarray(np.array(banned, np.int32))
+    out = cp.zeros(R, np.int32)
+    sample_tokens(cp.asarray(logits), cp.zeros_like(cp.asarray(logits)), p, counts, mask, out)
+    return cp.asnumpy(out)
+
+
+def cpu_sample(logits, params, seeds, output_tokens=None, prompt_tokens=None, eos=()):
+    rows = [ScheduledSeq(i, [1], 5, 0, True, params, output_token_ids=list(output_tokens or []),
+                         prompt_token_ids=list(prompt_tokens or []), rng_seed=int(seeds[i]))
+            for i in range(len(logits))]
+    res = sample_rows(SchedulerOutput(rows), logits, eos_token_ids=tuple(eos))
+    return np.array([res.sampled[i] for i in range(len(logits))])
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0),
+    SamplingParams(temperature=0.8),
+    SamplingParams(temperature=1.0, top_k=7),
+    SamplingParams(temperature=1.0, top_p=0.6),
+    SamplingParams(temperature=0.7, min_p=0.05),
+    SamplingParams(temperature=0.9, top_k=50, top_p=0.8, min_p=0.02),
+], ids=["greedy", "temp", "topk", "topp", "minp", "all"])
+def test_sampling_matches_the_numpy_sampler(params):
+    logits = (rng.standard_normal((400, V)) * 3).astype(np.float32)
+    seeds = rng.integers(0, 2**63, 400)
+    gpu = gpu_sample(logits, params, seeds)
+    cpu = cpu_sample(logits, params, seeds)
+    # same uniforms, same rules; float32 vs float64 may move a draw at a boundary, rarely
+    assert (gpu == cpu).mean() >= 0.99
+
+
+def test_penalties_bias_and_bans_match_numpy():
+    logits = (rng.standard_normal((50, V)) * 3).astype(np.float32)
+    seeds = rng.integers(0, 2**63, 50)
+    out_tokens = [int(i) for i in np.argsort(-logits[0])[:3]] * 2
+    prompt = [int(i) for i in np.argsort(-logits[0])[3:6]]
+    for params in [SamplingParams(temperature=0, repetition_penalty=1.8, prompt_logprobs=None),
+                   SamplingParams(temperature=0, frequency_penalty=1.5, presence_penalty=0.5),
+                   SamplingParams(temperature=0, logit_bias={5: 50.0, 9: -100.0}),
+                   SamplingParams(temperature=0, min_tokens=10, stop_token_ids=(int(np.argmax(logits[1])),))]:
+        kw = dict(output_tokens=out_tokens, prompt_tokens=prompt, eos=(int(np.argmax(logits[2])),))
+        np.testing.assert_array_equal(gpu_sample(logits, params, seeds, **kw), cpu_sample(logits, params, seeds, **kw))
+
+
+def test_token_logprobs():
+    from kernels_cuda.sampling import token_logprobs
+    logits = (rng.standard_normal((9, V)) * 4).astype(np.float32)
+    logits[3, 10] = logits[3, 11] = logits[3].max() + 1  # a tie: lower id first
+    targets = rng.integers(0, V, 9).astype(np.int32)
+    lp_n = np.array([5, 0, 20, 3, -1, 1, 2, 7, 20], np.int32)
+    out_lp, out_rank = cp.zeros(9, np.float32), cp.zeros(9, np.int32)
+    top_ids, top_lp = cp.zeros((9, 20), np.int32), cp.zeros((9, 20), np.float32)
+    token_logprobs(cp.asarray(logits), cp.asarray(lp_n), cp.asarray(targets), out_lp, out_rank, top_ids, top_lp)
+    ref = log_softmax(logits.astype(np.float64))
+    got_lp, got_rank, got_ids, got_top = (cp.asnumpy(a) for a in (out_lp, out_rank, top_ids, top_lp))
+    for r in range(9):
+        if lp_n[r] < 0:
+            continue
+        assert got_lp[r] == pytest.approx(ref[r, targets[r]], abs=1e-4)
+        assert got_rank[r] == 1 + int((logits[r] > logits[r, targets[r]]).sum())
+        order = np.lexsort((np.arange(V), -logits[r]))[:lp_n[r]]
+        np.testing.assert_array_equal(got_ids[r, :lp_n[r]], order)
+        np.testing.assert_allclose(got_top[r, :lp_n[r]], ref[r, order], atol=1e-4)
