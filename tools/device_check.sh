@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# GPU checks on a lent device machine (the device tool runs this in the repo root).
+#   stage 1: install the carried wheels (.whl/), keep part 1 of SmolLM2 (.devpart/) in .dev_store/,
+#            kernel tests and the tiny-model runner tests
+#   stage 2: assemble SmolLM2 from the stored and carried parts; runner, engine and server tests
+#            on the GPU; decode benchmark
+# Logs go to $OUT (the tool brings them back); a summary table is printed last.
+set -uo pipefail
+stage=${1:?stage 1 or 2}
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD CUSERVE_CACHE=$PWD/.dev_store/cache TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" .dev_store/cache/models
+summary=()
+run() {  # run NAME CMD... : log to $OUT/NAME.log, remember the last line
+    local name=$1; shift
+    local start=$SECONDS
+    "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    summary+=("$(printf '%-22s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - start))" "$(tail -n 1 "$OUT/$name.log" | cut -c1-90)")")
+}
+
+if [ "$stage" = 1 ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        > "$OUT/pip.log" 2>&1 || { echo "pip install failed"; tail -5 "$OUT/pip.log"; exit 1; }
+    mv .devpart/smollm2.part00 .dev_store/ 2>/dev/null || true
+    nvidia-smi -L > "$OUT/env.log" 2>&1
+    python3 -c "import cupy, numpy, sys; print(sys.version); print('cupy', cupy.__version__, 'numpy', numpy.__version__); \
+print(cupy.cuda.runtime.getDeviceProperties(0)['name'])" >> "$OUT/env.log" 2>&1
+    for f in kernels_cuda/*.cu; do
+        nvcc -arch=sm_90 -std=c++17 -Ikernels_cuda -DHEAD_DIM=128 -DGROUP=4 -c "$f" -o /tmp/k.o -Xptxas -v 2>&1 \
+            | grep -E "error|Compiling entry|registers|spill" ; done > "$OUT/ptxas.log" 2>&1
+    run kernels timeout 420 python3 -m pytest -q -rf tests/test_kernels_gpu.py
+    run runner_tiny timeout 170 python3 -m pytest -q -rf -s tests/test_cuda_runner.py -k "tiny or long_context"
+else
+    model=.dev_store/cache/models/SmolLM2-135M-Instruct.Q4_1.gguf
+    if [ ! -f .dev_store/smollm2.part00 ]; then echo "part 1 missing: the machine went cold; run stage 1 again"; exit 3; fi
+    cat .dev_store/smollm2.part00 .devpart/smollm2.part01 .devpart/smollm2.part02 > "$model"
+    echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $model" | sha256sum -c > "$OUT/model.log" 2>&1 \
+        || { echo "model checksum failed"; exit 4; }
+    run runner timeout 240 python3 -m pytest -q -rf -s tests/test_cuda_runner.py
+    run server_gpu env CUSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -rf tests/test_server.py
+    run bench_smollm2 timeout 150 python3 bench/decode.py --model "$model" --device cuda --batch 1,8,64 \
+        --prompt-len 32 --max-tokens 128
+    tail -n 5 "$OUT/bench_smollm2.log"
+fi
+echo
+echo "== stage $stage summary =="
+printf '%s\n' "${summary[@]}"
