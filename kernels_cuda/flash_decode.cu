@@ -73,9 +73,16 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_decode_chunk(
     const long long kv_stride = (long long)num_kv_heads * HEAD_DIM;
     const scalar_t *kb = reinterpret_cast<const scalar_t *>(k_ptrs[b]) + layer_offset + kvh * HEAD_DIM + sub * 8;
     const scalar_t *vb = reinterpret_cast<const scalar_t *>(v_ptrs[b]) + layer_offset + kvh * HEAD_DIM + sub * 8;
-    for (int t = start + grp; t < end; t += GROUPS) {
-        const uint4 kraw = *reinterpret_cast<const uint4 *>(kb + t * kv_stride);
-        const uint4 vraw = *reinterpret_cast<const uint4 *>(vb + t * kv_stride);
+    // every lane of a warp runs the same number of rounds (the shuffles need the whole
+    // warp); a group whose key is past the end does the arithmetic and drops it
+    for (int t0 = start; t0 < end; t0 += GROUPS) {
+        const int t = t0 + grp;
+        const bool live = t < end;
+        uint4 kraw = make_uint4(0, 0, 0, 0), vraw = make_uint4(0, 0, 0, 0);
+        if (live) {
+            kraw = *reinterpret_cast<const uint4 *>(kb + t * kv_stride);
+            vraw = *reinterpret_cast<const uint4 *>(vb + t * kv_stride);
+        }
         float kf[8], vf[8];
         vec8_to_float(*reinterpret_cast<const vec8 *>(&kraw), kf);
         vec8_to_float(*reinterpret_cast<const vec8 *>(&vraw), vf);
@@ -86,6 +93,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_decode_chunk(
             for (int i = 0; i < 8; i++) dot += qf[g][i] * kf[i];
 #pragma unroll
             for (int o = TPT / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+            if (!live) continue;
             const float m_new = fmaxf(m[g], dot);
             const float corr = __expf(m[g] - m_new);
             const float p = __expf(dot - m_new);

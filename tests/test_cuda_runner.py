@@ -51,21 +51,30 @@ def test_smollm2_matches_the_numpy_runner(smollm2_gpu, smollm2_runner):
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "llama_tied_mha"])
 def test_tiny_models_match_the_numpy_runner(tmp_path, name):
+    """A ragged prefill through the eager path, then decode steps through execute()
+    (the captured graph), against the NumPy runner's logits."""
     path = build_tiny_model(tmp_path, name, seed=5)
     model = load_model(str(path), with_tokenizer=False)
     ref_runner = NumpyRunner(model.config, model.weights, num_kv_slots=REGION * 3, max_model_len=REGION,
                              progress=False)
     gpu = cuda_runner(model, max_model_len=REGION)
+    assert gpu.graphs
     r = np.random.default_rng(3)
     prompts = [r.integers(0, VOCAB, n).tolist() for n in (5, 17, 130)]  # ragged, one over two prefill tiles
     cont = [r.integers(0, VOCAB, 6).tolist() for _ in prompts]
     ref = [ref_runner.forward(prefill_step(prompts), all_logits=True)]
     got = [gpu.forward(prefill_step(prompts), all_logits=True)]
     pos = [len(p) for p in prompts]
+    greedy = SamplingParams(temperature=0)
     for step in range(6):
         out = decode_step([c[step] for c in cont], [p + step for p in pos])
         ref.append(ref_runner.forward(out))
-        got.append(gpu.forward(out))
+        for row in out.seqs:
+            row.sampling = greedy
+        sampled = gpu.execute(out).sampled
+        logits = cp.asnumpy(gpu.buffers.logits[:len(prompts)])
+        got.append(logits)
+        assert [sampled[i] for i in range(len(prompts))] == list(logits.argmax(1))
     ref, got = np.concatenate(ref), np.concatenate(got)
     cos = cosines(got, ref)
     agree = (got.argmax(1) == ref.argmax(1)).mean()

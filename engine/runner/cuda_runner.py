@@ -348,9 +348,11 @@ class CudaRunner:
                 self.stream.begin_capture()
                 try:
                     self._decode_body(bucket)
-                finally:
-                    graph = self.stream.end_capture()
-            self.graphs[bucket] = graph
+                except Exception:
+                    self.stream.end_capture()
+                    log.exception("could not capture the decode graph for %d rows; it runs eagerly", bucket)
+                    continue
+                self.graphs[bucket] = self.stream.end_capture()
         self.stream.synchronize()
 
     # ------------------------------------------------------------------ step inputs
