@@ -16,6 +16,25 @@ KERNEL_DIR = Path(__file__).resolve().parent
 SCALAR_DTYPES = (np.dtype(np.float16), np.dtype(np.uint16))  # fp16, bf16 bits
 
 _MODULES: dict[tuple, cp.RawModule] = {}
+_INCLUDES: list[str] | None = None
+
+
+def _toolkit_includes() -> list[str]:
+    """A CUDA toolkit include folder with crt/mma.h (the WMMA header's implementation),
+    which the headers CuPy's pip wheels bring do not have; NVRTC needs it for <mma.h>."""
+    global _INCLUDES
+    if _INCLUDES is None:
+        candidates = []
+        try:
+            from cuda.pathfinder import find_nvidia_header_directory
+            found = find_nvidia_header_directory("cudart")
+            if found:
+                candidates.append(Path(found))
+        except Exception:  # noqa: BLE001 - older CuPy without cuda.pathfinder
+            pass
+        candidates += [Path("/usr/local/cuda/include"), *sorted(Path("/usr/local").glob("cuda-*/include"))]
+        _INCLUDES = [f"-I{c}" for c in candidates if (c / "crt" / "mma.h").is_file()][:1]
+    return _INCLUDES
 
 
 def module(family: str, **defines: int) -> cp.RawModule:
@@ -23,7 +42,8 @@ def module(family: str, **defines: int) -> cp.RawModule:
     mod = _MODULES.get(key)
     if mod is None:
         source = (KERNEL_DIR / f"{family}.cu").read_text(encoding="utf-8")
-        options = ("-std=c++17", f"-I{KERNEL_DIR}", *(f"-D{k}={int(v)}" for k, v in sorted(defines.items())))
+        options = ("-std=c++17", f"-I{KERNEL_DIR}", *_toolkit_includes(),
+                   *(f"-D{k}={int(v)}" for k, v in sorted(defines.items())))
         mod = cp.RawModule(code=source, options=options)
         _MODULES[key] = mod
     return mod
