@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import cupy as cp
@@ -32,6 +33,9 @@ def _toolkit_includes() -> list[str]:
                 candidates.append(Path(found))
         except Exception:  # noqa: BLE001 - older CuPy without cuda.pathfinder
             pass
+        nvcc = shutil.which("nvcc")
+        if nvcc:
+            candidates.append(Path(nvcc).resolve().parent.parent / "include")
         candidates += [Path("/usr/local/cuda/include"), *sorted(Path("/usr/local").glob("cuda-*/include"))]
         _INCLUDES = [f"-I{c}" for c in candidates if (c / "crt" / "mma.h").is_file()][:1]
     return _INCLUDES
