@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # GPU checks on a lent device machine (the device tool runs this in the repo root).
-#   stage 1: install the carried wheels (.whl/), keep part 1 of SmolLM2 (.devpart/) in .dev_store/,
+#   stage 1: install the carried wheels (.whl/), keep part 1 of SmolLM2 (.devpart/) in /tmp/cuserve_store,
 #            kernel tests and the tiny-model runner tests
 #   stage 2: assemble SmolLM2 from the stored and carried parts; runner, engine and server tests
 #            on the GPU; decode benchmark
 # Logs go to $OUT (the tool brings them back); a summary table is printed last.
 set -uo pipefail
 stage=${1:?stage 1 or 2}
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD CUSERVE_CACHE=$PWD/.dev_store/cache TOKENIZERS_PARALLELISM=false
+store=/tmp/cuserve_store  # outside the repo copy, which every call re-syncs
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD CUSERVE_CACHE=$store/cache TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT" .dev_store/cache/models
+mkdir -p "$OUT" $store/cache/models
 summary=()
 run() {  # run NAME CMD... : log to $OUT/NAME.log, remember the last line
     local name=$1; shift
@@ -22,7 +23,7 @@ run() {  # run NAME CMD... : log to $OUT/NAME.log, remember the last line
 if [ "$stage" = 1 ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         > "$OUT/pip.log" 2>&1 || { echo "pip install failed"; tail -5 "$OUT/pip.log"; exit 1; }
-    mv .devpart/smollm2.part00 .dev_store/ 2>/dev/null || true
+    mv .devpart/smollm2.part00 $store/ 2>/dev/null || true
     nvidia-smi -L > "$OUT/env.log" 2>&1
     python3 -c "import cupy, numpy, sys; print(sys.version); print('cupy', cupy.__version__, 'numpy', numpy.__version__); \
 print(cupy.cuda.runtime.getDeviceProperties(0)['name'])" >> "$OUT/env.log" 2>&1
@@ -32,9 +33,9 @@ print(cupy.cuda.runtime.getDeviceProperties(0)['name'])" >> "$OUT/env.log" 2>&1
     run kernels timeout 420 python3 -m pytest -q -rf tests/test_kernels_gpu.py
     run runner_tiny timeout 170 python3 -m pytest -q -rf -s tests/test_cuda_runner.py -k "tiny or long_context"
 else
-    model=.dev_store/cache/models/SmolLM2-135M-Instruct.Q4_1.gguf
-    if [ ! -f .dev_store/smollm2.part00 ]; then echo "part 1 missing: the machine went cold; run stage 1 again"; exit 3; fi
-    cat .dev_store/smollm2.part00 .devpart/smollm2.part01 .devpart/smollm2.part02 > "$model"
+    model=$store/cache/models/SmolLM2-135M-Instruct.Q4_1.gguf
+    if [ ! -f $store/smollm2.part00 ]; then echo "part 1 missing: the machine went cold; run stage 1 again"; exit 3; fi
+    cat $store/smollm2.part00 .devpart/smollm2.part01 .devpart/smollm2.part02 > "$model"
     echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $model" | sha256sum -c > "$OUT/model.log" 2>&1 \
         || { echo "model checksum failed"; exit 4; }
     run runner timeout 240 python3 -m pytest -q -rf -s tests/test_cuda_runner.py
