@@ -83,6 +83,8 @@ def test_tiny_models_match_the_numpy_runner(tmp_path, name):
 
 
 def test_long_context_uses_many_splits(tmp_path):
+    """A 4500-token prompt prefilled in chunks (each attending to the cached prefix),
+    then decode steps through the graph with ~18 flash-decode splits."""
     path = build_tiny_model(tmp_path, "llama", seed=7)
     model = load_model(str(path), with_tokenizer=False)
     n = 4500
@@ -90,12 +92,17 @@ def test_long_context_uses_many_splits(tmp_path):
     gpu = cuda_runner(model, max_model_len=8192)
     assert gpu.max_splits >= 16
     ids = np.random.default_rng(1).integers(0, VOCAB, n).tolist()
-    ref = [ref_runner.forward(SchedulerOutput([ScheduledSeq(0, ids, 0, 0, True)]))]
-    got = [gpu.forward(SchedulerOutput([ScheduledSeq(0, ids, 0, 0, True)]))]
-    for step, tok in enumerate([5, 9, 11]):  # decode at ~4.5k context: 18 splits
-        out = SchedulerOutput([ScheduledSeq(0, [tok], n + step, 0, True)])
+    ref, got = [], []
+    for start in range(0, n, 2000):  # chunked prefill, as the scheduler does it
+        chunk = SchedulerOutput([ScheduledSeq(0, ids[start:start + 2000], start, 0, True)])
+        ref.append(ref_runner.forward(chunk))
+        got.append(gpu.forward(chunk))
+    greedy = SamplingParams(temperature=0)
+    for step, tok in enumerate([5, 9, 11]):
+        out = SchedulerOutput([ScheduledSeq(0, [tok], n + step, 0, True, greedy)])
         ref.append(ref_runner.forward(out))
-        got.append(gpu.forward(out))
+        gpu.execute(out)
+        got.append(cp.asnumpy(gpu.buffers.logits[:1]))
     cos = cosines(np.concatenate(got), np.concatenate(ref))
     assert cos.min() >= 0.999, cos
 

@@ -42,7 +42,9 @@ else
     run server_gpu env CUSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -rf tests/test_server.py
     run bench_smollm2 timeout 150 python3 bench/decode.py --model "$model" --device cuda --batch 1,8,64 \
         --prompt-len 32 --max-tokens 128
-    tail -n 5 "$OUT/bench_smollm2.log"
+    run bench_8b timeout 240 python3 bench/decode.py --model random:llama3-8b --device cuda --batch 1,64 \
+        --prompt-len 512 --max-tokens 128 --kv-cache-gib 16
+    tail -n 5 "$OUT/bench_smollm2.log" "$OUT/bench_8b.log"
 fi
 echo
 echo "== stage $stage summary =="

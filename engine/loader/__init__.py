@@ -14,6 +14,7 @@ from pathlib import Path
 from ..config import GenerationDefaults, ModelConfig
 from .download import DEFAULT_MODEL, download, known_model
 from .gguf import load_gguf
+from .random_model import RANDOM_PREFIX, load_random
 from .safetensors import load_hf_dir
 from .tokenizer import Tokenizer
 from .weights import Weights
@@ -40,11 +41,14 @@ def resolve_model_path(model: str, cache: Path, quiet: bool = False) -> str:
         return str(download(known, cache, quiet=quiet))
     raise FileNotFoundError(
         f"model {model!r} is neither a local .gguf file or HF directory nor a known model "
-        f"(known: {DEFAULT_MODEL}); no model hub is used"
+        f"(known: {DEFAULT_MODEL}, or random:<shape> for benchmarks); no model hub is used"
     )
 
 
 def load_model(model: str, cache: Path | None = None, with_tokenizer: bool = True) -> LoadedModel:
+    if model.startswith(RANDOM_PREFIX):  # a named shape with random weights, for benchmarks
+        config, weights, tokenizer, defaults = load_random(model, with_tokenizer)
+        return LoadedModel(config, weights, tokenizer, defaults, model)
     if cache is None:
         from ..env import cache_dir
         cache = cache_dir()

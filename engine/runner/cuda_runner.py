@@ -33,6 +33,7 @@ from kernels_cuda.sampling import sample_tokens, token_logprobs
 
 from ..config import EngineConfig, ModelConfig
 from ..loader import LoadedModel
+from ..loader.random_model import WEIGHT_STD, RandomWeights
 from ..loader.weights import Weights
 from ..outputs import RunnerOutput, ScheduledSeq, SchedulerOutput, TokenLogprobs
 from ..request import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
@@ -176,6 +177,8 @@ class CudaRunner:
         with self.stream:
             if isinstance(weights, ModelWeights):
                 self.weights = weights
+            elif isinstance(weights, RandomWeights):  # benchmarks: draw them here, not on the host
+                self.weights = self._random_weights(weights.seed)
             else:
                 self.weights = pack_model(weights, cfg, np.float32, progress=progress,
                                           matrix=_upload_matrix(self.dtype_name))
@@ -195,6 +198,29 @@ class CudaRunner:
                  self.kv_pool_bytes / 2**30, sorted(self.graphs) or "none (eager)")
 
     # ------------------------------------------------------------------ setup
+
+    def _random_weights(self, seed: int) -> ModelWeights:
+        from .packing import LayerWeights
+        cfg = self.config
+        rs = cp.random.RandomState(seed)
+
+        def mat(rows: int, cols: int) -> cp.ndarray:
+            m = rs.standard_normal((rows, cols), dtype=cp.float32)
+            m *= WEIGHT_STD
+            return m.astype(self.scalar) if self.scalar == np.float16 else _upload_matrix("bfloat16")(cp.asnumpy(m))
+
+        def ones(n: int) -> cp.ndarray:
+            return cp.ones(n, np.float32)
+
+        h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+        layers = [LayerWeights(
+            input_layernorm=ones(h), qkv_proj=mat(q + 2 * kv, h),
+            qkv_bias=(rs.standard_normal(q + 2 * kv, dtype=cp.float32) * WEIGHT_STD) if cfg.qkv_bias else None,
+            o_proj=mat(h, q), o_bias=None, post_attention_layernorm=ones(h),
+            gate_up_proj=mat(2 * inter, h), down_proj=mat(h, inter)) for _ in range(cfg.num_layers)]
+        embed = mat(cfg.vocab_size, h)
+        lm_head = embed if cfg.tie_word_embeddings else mat(cfg.vocab_size, h)
+        return ModelWeights(embed, layers, ones(h), lm_head)
 
     def _norms_and_biases_to_device(self) -> None:
         w = self.weights
