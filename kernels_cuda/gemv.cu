@@ -4,29 +4,41 @@
 // K must be a multiple of 8. gemv_<B> for B = 1..8.
 #include "common.cuh"
 
+#define DEPTH 8  // 16-byte weight loads each lane keeps in flight before using them
+
 template <int B>
 __device__ __forceinline__ void gemv_body(const scalar_t *__restrict__ x, const scalar_t *__restrict__ w,
                                           float *__restrict__ y, int N, int K) {
     const int warps = blockDim.x >> 5, lane = threadIdx.x & 31;
     const long long n = (long long)blockIdx.x * warps + (threadIdx.x >> 5);
     if (n >= N) return;
-    const vec8 *wr = reinterpret_cast<const vec8 *>(w + n * K);
+    const uint4 *wr = reinterpret_cast<const uint4 *>(w + n * K);
     const int chunks = K >> 3;
     float acc[B];
 #pragma unroll
     for (int b = 0; b < B; b++) acc[b] = 0.0f;
-#pragma unroll 4
-    for (int c = lane; c < chunks; c += 32) {
-        const uint4 raw = __ldg(reinterpret_cast<const uint4 *>(wr + c));
-        float wf[8];
-        vec8_to_float(*reinterpret_cast<const vec8 *>(&raw), wf);
+    // lane l sums chunks l, l + 32, l + 64, ... in that order (the same for every B)
+    for (int c0 = lane; c0 < chunks; c0 += 32 * DEPTH) {
+        uint4 wv[DEPTH];
 #pragma unroll
-        for (int b = 0; b < B; b++) {
-            const uint4 xraw = __ldg(reinterpret_cast<const uint4 *>(x + (long long)b * K) + c);
-            float xf[8];
-            vec8_to_float(*reinterpret_cast<const vec8 *>(&xraw), xf);
+        for (int u = 0; u < DEPTH; u++) {
+            const int c = c0 + u * 32;
+            wv[u] = c < chunks ? __ldcs(wr + c) : make_uint4(0, 0, 0, 0);
+        }
 #pragma unroll
-            for (int i = 0; i < 8; i++) acc[b] += wf[i] * xf[i];
+        for (int u = 0; u < DEPTH; u++) {
+            const int c = c0 + u * 32;
+            if (c >= chunks) break;
+            float wf[8];
+            vec8_to_float(*reinterpret_cast<const vec8 *>(&wv[u]), wf);
+#pragma unroll
+            for (int b = 0; b < B; b++) {
+                const uint4 xraw = __ldg(reinterpret_cast<const uint4 *>(x + (long long)b * K) + c);
+                float xf[8];
+                vec8_to_float(*reinterpret_cast<const vec8 *>(&xraw), xf);
+#pragma unroll
+                for (int i = 0; i < 8; i++) acc[b] += wf[i] * xf[i];
+            }
         }
     }
 #pragma unroll

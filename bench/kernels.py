@@ -1,0 +1,124 @@
+"""Where decode time goes, on the GPU: copy bandwidth (the roofline), the matrix
+products of a shape at small batches (our GEMV vs cuBLAS), and the decode graph
+alone vs a whole runner step (the difference is host work).
+
+    python bench/kernels.py --shape llama3-8b --batch 1,8,64
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import cupy as cp  # noqa: E402
+
+
+def time_gpu(fn, iters: int = 50, warmup: int = 5) -> float:
+    """Median milliseconds of fn() on the current stream, by events."""
+    for _ in range(warmup):
+        fn()
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    times = []
+    for _ in range(iters):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, end))
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int = 4 << 30) -> float:
+    """Device-to-device copy, bytes read + written per second (GB/s)."""
+    a = cp.random.random(nbytes // 4, dtype=cp.float32)
+    b = cp.empty_like(a)
+    ms = time_gpu(lambda: b.__setitem__(Ellipsis, a), iters=20)
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def matmul_table(shape: dict, batches: list[int]) -> list[str]:
+    from kernels_cuda.gemm import gemm
+    from kernels_cuda.gemv import MAX_ROWS, gemv
+    h, i = shape["hidden_size"], shape["intermediate_size"]
+    q, kv, v = shape["num_heads"] * shape["head_dim"], shape["num_kv_heads"] * shape["head_dim"], shape["vocab_size"]
+    mats = {"qkv": (q + 2 * kv, h), "o": (h, q), "gate_up": (2 * i, h), "down": (h, i), "lm_head": (v, h)}
+    rows = []
+    for name, (n, k) in mats.items():
+        ws = [(cp.random.standard_normal((n, k), dtype=cp.float32) * 0.02).astype(cp.float16) for _ in range(3)]
+        nbytes = n * k * 2
+        for b in batches:
+            x = (cp.random.standard_normal((b, k), dtype=cp.float32)).astype(cp.float16)
+            out = cp.empty((b, n), cp.float32)
+            state = {"j": 0}
+
+            def run(fn):
+                def go():
+                    state["j"] = (state["j"] + 1) % 3  # rotate weights: no L2 reuse between runs
+                    fn(x, ws[state["j"]], out)
+                return go
+            t_blas = time_gpu(run(gemm))
+            t_gemv = time_gpu(run(gemv)) if b <= MAX_ROWS else float("nan")
+            rows.append(f"{name:8s} {n:6d}x{k:<6d} B={b:<4d} cublas {t_blas * 1e3:8.1f} us {nbytes / t_blas / 1e6:7.0f} GB/s"
+                        f"   gemv {t_gemv * 1e3:8.1f} us {nbytes / t_gemv / 1e6:7.0f} GB/s")
+    return rows
+
+
+def decode_table(shape_name: str, batches: list[int], context: int) -> list[str]:
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine.loader import load_model
+    from engine.outputs import ScheduledSeq, SchedulerOutput
+    from engine.request import SamplingParams
+    from engine.runner.cuda_runner import CudaRunner, bucket_for
+    model = load_model(f"random:{shape_name}", with_tokenizer=False)
+    cfg = model.config
+    config = EngineConfig(model=shape_name, device="cuda", cache=CacheConfig(kv_cache_bytes=8 << 30),
+                          scheduler=SchedulerConfig(max_num_seqs=max(batches), max_model_len=context + 256,
+                                                    max_num_batched_tokens=max(2048, max(batches))))
+    runner = CudaRunner(config, model, progress=False)
+    weight_bytes = 2 * cfg.num_params()
+    rows = []
+    greedy = SamplingParams(temperature=0)
+    for B in batches:
+        region = context + 256
+        seqs = [ScheduledSeq(i, [5], context, i * region, True, greedy, rng_seed=i) for i in range(B)]
+        out = SchedulerOutput(seqs)
+        runner.execute(out)  # fills the step inputs (and compiles nothing new)
+        graph = runner.graphs[bucket_for(B)]
+        with runner.stream:
+            t_graph = time_gpu(lambda: graph.launch(runner.stream), iters=30)
+        step = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            runner.execute(out)
+            step.append((time.perf_counter() - t0) * 1e3)
+        t_step = statistics.median(step)
+        kv_bytes = B * context * cfg.kv_bytes_per_token(2)
+        rows.append(f"{shape_name} B={B:<4d} ctx={context}: graph {t_graph:7.3f} ms "
+                    f"({(weight_bytes + kv_bytes) / t_graph / 1e6:6.0f} GB/s of weights+KV), runner.execute "
+                    f"{t_step:7.3f} ms -> {B / t_step * 1e3:9.1f} tok/s")
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama3-8b")
+    ap.add_argument("--batch", default="1,8,64")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--skip-matmul", action="store_true")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batch.split(",")]
+    from engine.loader.random_model import SHAPES
+    lines = [f"copy bandwidth: {copy_bandwidth():.0f} GB/s (read + write)"]
+    if not args.skip_matmul:
+        lines += matmul_table(SHAPES[args.shape], sorted(set(batches + [1, 2, 4, 8])))
+    lines += decode_table(args.shape, batches, args.context)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
