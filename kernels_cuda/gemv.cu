@@ -5,13 +5,13 @@
 // operand (8 output features). Each lane loads 16 contiguous bytes of one weight row
 // (8 k-values) and of the matching x rows, and feeds them to two MMAs: the k order
 // inside a dot product is free, so W and x are permuted the same way. A block of
-// 4 warps shares 8 output features and splits K between its warps (chunks of 32,
+// 8 warps shares 8 output features and splits K between its warps (chunks of 32,
 // interleaved); the partial sums are added in a fixed order. Every output element is
 // computed the same way whatever B is (batch invariance). K must be a multiple of 8.
 #include "common.cuh"
 
-#define WARPS 4
-#define DEPTH 4  // 32-k chunks a warp keeps in flight
+#define WARPS 8
+#define DEPTH 8  // 32-k chunks a warp keeps in flight
 
 #if USE_BF16
 #define MMA_TYPE "bf16"
@@ -79,7 +79,7 @@ __device__ __forceinline__ void skinny(const scalar_t *__restrict__ x, const sca
     }
 }
 
-// grid (ceil(N / 8)), block (128)
+// grid (ceil(N / 8)), block (256)
 extern "C" __global__ void __launch_bounds__(WARPS * 32) gemv_8(const scalar_t *__restrict__ x,
                                                                 const scalar_t *__restrict__ w,
                                                                 float *__restrict__ y, int B, int N, int K) {

@@ -8,7 +8,7 @@ import numpy as np
 from ._module import check, i32, module, same_scalar, use_bf16
 
 MAX_ROWS = 16
-THREADS = 128  # 4 warps share 8 output features and split K
+THREADS = 256  # 8 warps share 8 output features and split K
 
 
 def gemv(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray | None = None) -> cp.ndarray:
