@@ -2,10 +2,15 @@
 
     python bench/decode.py --model SmolLM2-135M-Instruct --device cpu --batch 1,8,32
 
+    python bench/decode.py --model random:llama3-8b --device cuda --batch 1,32,128 --prompt-len 512
+
 For each batch size: B requests of `--prompt-len` tokens each, submitted at once to
 the engine running on its own thread (as under the server), each generating
 `--max-tokens` tokens. Reports output tokens/s over the whole run and over the
-decode phase alone (from the last first-token to the end), and ms per decode step.
+decode phase alone (from the last first-token to the end), ms per decode step, and on
+the GPU the fraction of the HBM roofline: the bytes a decode step must read (every
+weight once, plus the K/V of the batch at its mean context) over the device-to-device
+copy bandwidth measured in the same run, against the median step time.
 """
 
 from __future__ import annotations
@@ -53,13 +58,21 @@ def run_batch(engine: Engine, batch: int, prompt_len: int, max_tokens: int) -> d
     decode_tokens = sum(max_tokens - 1 for _ in finished)
     decode_seconds = max(o.timings.finished for o in finished) - last_first
     steady = step_times[len(step_times) // 4:] or step_times
-    return {
+    step_s = statistics.median(steady)
+    result = {
         "batch": batch, "prompt_len": prompt_len, "max_tokens": max_tokens,
         "total_s": end - start,
         "tok_s": batch * max_tokens / (end - start),
         "decode_tok_s": decode_tokens / decode_seconds if decode_seconds > 0 else float("nan"),
-        "step_ms_median": 1e3 * statistics.median(steady),
+        "step_ms_median": 1e3 * step_s,
     }
+    runner = engine.runner
+    if hasattr(runner, "decode_step_bytes"):
+        mean_context = prompt_len + max_tokens // 2
+        floor_s = runner.decode_step_bytes(batch * mean_context) / runner.copy_bandwidth
+        result.update(roofline_tok_s=batch / floor_s, roofline_pct=100 * floor_s / step_s,
+                      bandwidth_gb_s=runner.copy_bandwidth / 1e9)
+    return result
 
 
 def main() -> None:
@@ -84,10 +97,12 @@ def main() -> None:
     results = [run_batch(engine, b, args.prompt_len, args.max_tokens) for b in batches]
     engine.shutdown()
     device = getattr(engine.runner, "device", "?")
-    print(f"model={args.model} device={device} prompt_len={args.prompt_len} max_tokens={args.max_tokens}")
-    print(f"{'batch':>6} {'tok/s':>10} {'decode tok/s':>13} {'ms/step':>9}")
+    print(f"model={args.model} device={device} prompt_len={args.prompt_len} max_tokens={args.max_tokens}"
+          + (f" bandwidth={results[0]['bandwidth_gb_s']:.0f} GB/s" if "bandwidth_gb_s" in results[0] else ""))
+    print(f"{'batch':>6} {'tok/s':>10} {'decode tok/s':>13} {'ms/step':>9} {'roofline tok/s':>15} {'% roofline':>11}")
     for r in results:
-        print(f"{r['batch']:>6} {r['tok_s']:>10.1f} {r['decode_tok_s']:>13.1f} {r['step_ms_median']:>9.2f}")
+        roof = (f"{r['roofline_tok_s']:>15.1f} {r['roofline_pct']:>10.1f}%" if "roofline_pct" in r else "")
+        print(f"{r['batch']:>6} {r['tok_s']:>10.1f} {r['decode_tok_s']:>13.1f} {r['step_ms_median']:>9.2f} {roof}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
 

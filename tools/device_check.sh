@@ -40,11 +40,25 @@ else
         || { echo "model checksum failed"; exit 4; }
     run runner timeout 240 python3 -m pytest -q -rf -s tests/test_cuda_runner.py
     run server_gpu env CUSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -rf tests/test_server.py
-    run bench_smollm2 timeout 150 python3 bench/decode.py --model "$model" --device cuda --batch 1,8,64 \
-        --prompt-len 32 --max-tokens 128
-    run bench_8b timeout 240 python3 bench/decode.py --model random:llama3-8b --device cuda --batch 1,64 \
-        --prompt-len 512 --max-tokens 128 --kv-cache-gib 16
-    tail -n 5 "$OUT/bench_smollm2.log" "$OUT/bench_8b.log"
+    run bench_smollm2 timeout 150 python3 bench/decode.py --model "$model" --device cuda --batch 1,8,64,128 \
+        --prompt-len 32 --max-tokens 128 --json "$OUT/decode_smollm2.json"
+    if [ "${FULL_BENCH:-0}" = 1 ]; then
+        run bench_8b timeout 300 python3 bench/decode.py --model random:llama3-8b --device cuda --batch 1,32,64,128 \
+            --prompt-len 512 --max-tokens 128 --kv-cache-gib 24 --json "$OUT/decode_8b.json"
+        run prefill_8b timeout 200 python3 bench/prefill.py --model random:llama3-8b --json "$OUT/prefill_8b.json"
+        run peer_hf timeout 400 python3 bench/peer_hf.py --shape llama3-8b --batch 1,32,128 --json "$OUT/peer_hf.json"
+        python3 -m server.cli serve --model random:llama3-8b --port 8011 --max-num-seqs 256 \
+            --max-num-batched-tokens 8192 --kv-cache-gib 40 --max-model-len 2048 > "$OUT/serve_8b_server.log" 2>&1 &
+        srv=$!
+        for i in $(seq 1 180); do curl -sf localhost:8011/health > /dev/null && break; sleep 1; done
+        run serve_8b_c256 timeout 240 python3 bench/serve.py --url http://127.0.0.1:8011 --num-prompts 512 \
+            --input-len 512 --output-len 128 --concurrency 256 --vocab 120000 --json "$OUT/serve_8b_c256.json"
+        run serve_8b_c1 timeout 120 python3 bench/serve.py --url http://127.0.0.1:8011 --num-prompts 6 \
+            --input-len 512 --output-len 128 --concurrency 1 --vocab 120000 --json "$OUT/serve_8b_c1.json"
+        curl -s localhost:8011/metrics | grep -E "roofline|num_requests|kv_cache_usage" > "$OUT/serve_metrics.log"
+        kill $srv; wait $srv 2>/dev/null
+    fi
+    tail -n 6 "$OUT"/bench_*.log "$OUT"/prefill_8b.log "$OUT"/peer_hf.log "$OUT"/serve_8b_c*.log 2>/dev/null
 fi
 echo
 echo "== stage $stage summary =="

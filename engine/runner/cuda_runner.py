@@ -61,6 +61,25 @@ def bucket_for(n: int) -> int:
     raise ValueError(f"{n} rows exceed the largest batch bucket ({BUCKETS[-1]})")
 
 
+def measure_copy_bandwidth(stream: cp.cuda.Stream, nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Device-to-device copy rate, bytes read + written per second: the memory bandwidth
+    the roofline divides a step's bytes by (as the issue's 4.26 TB/s on an H200)."""
+    with stream:
+        src = cp.empty(nbytes, np.uint8)
+        dst = cp.empty_like(src)
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        dst[...] = src  # warm-up
+        times = []
+        for _ in range(repeats):
+            start.record(stream)
+            dst[...] = src
+            end.record(stream)
+            end.synchronize()
+            times.append(cp.cuda.get_elapsed_time(start, end) * 1e-3)
+        del src, dst
+    return 2 * nbytes / sorted(times)[len(times) // 2]
+
+
 # ---------------------------------------------------------------------------- buffers
 
 
@@ -193,6 +212,10 @@ class CudaRunner:
         self.graphs: dict[int, cp.cuda.Graph] = {}
         if not self.enforce_eager:
             self._capture_graphs()
+        self.copy_bandwidth = measure_copy_bandwidth(self.stream)  # bytes/s, read + written
+        self.weight_bytes = self._weight_bytes()
+        self.last_roofline_fraction: float | None = None  # of the last decode step, for /metrics
+        self._step_events = (cp.cuda.Event(), cp.cuda.Event())
         log.info("CUDA runner: %s weights, decode buffers %.1f MiB, KV pool %d slots (%.2f GiB), graphs for %s",
                  self.dtype_name, self.buffers.memory_bytes() / 2**20, self.num_kv_slots,
                  self.kv_pool_bytes / 2**30, sorted(self.graphs) or "none (eager)")
@@ -305,6 +328,20 @@ class CudaRunner:
 
     def memory_bytes(self) -> int:
         return self.buffers.memory_bytes()
+
+    def _weight_bytes(self) -> int:
+        w = self.weights
+        mats = [w.embed_tokens] + ([] if w.lm_head is w.embed_tokens else [w.lm_head])
+        for layer in w.layers:
+            mats += [layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj]
+        return sum(m.nbytes for m in mats)
+
+    def decode_step_bytes(self, kv_tokens: int) -> int:
+        """Bytes a decode step must read at least: every weight once (the LM head included;
+        the embedding rows are negligible) and the K/V of `kv_tokens` cached tokens."""
+        w = self.weights
+        embed = 0 if w.lm_head is w.embed_tokens else w.embed_tokens.nbytes
+        return self.weight_bytes - embed + kv_tokens * self.config.kv_bytes_per_token(np.dtype(self.scalar).itemsize)
 
     @staticmethod
     def kv_bytes_per_slot(config: ModelConfig) -> int:
@@ -506,13 +543,21 @@ class CudaRunner:
         extra, want_lp = self._fill_sampling(rows)
         self._fill_padding(B, bucket)
         inputs = self.buffers.inputs
+        start, end = self._step_events
         with self.stream:
             inputs.upload(self.stream, upto=None if extra else "banned_n")
+            start.record(self.stream)
             if bucket in self.graphs:
                 self.graphs[bucket].launch(self.stream)
             else:
                 self._decode_body(bucket)
-        return self._collect(rows, list(range(B)), want_lp)
+            end.record(self.stream)
+        result = self._collect(rows, list(range(B)), want_lp)  # synchronizes
+        seconds = cp.cuda.get_elapsed_time(start, end) * 1e-3
+        if seconds > 0:
+            moved = self.decode_step_bytes(int(h["kv_lens"][:B].sum()))
+            self.last_roofline_fraction = moved / (seconds * self.copy_bandwidth)
+        return result
 
     def _collect(self, rows: list[ScheduledSeq], logit_rows: list[int], want_lp: bool) -> RunnerOutput:
         """Copy back the sampled ids (and logprobs) of the rows that sample."""
