@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Callable
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from engine import Engine
@@ -19,7 +19,20 @@ from engine import Engine
 from .errors import APIError, error_response, install_error_handlers
 from .metrics import Metrics
 from .openai_serving import OpenAIServing
-from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from .settings import ServeSettings
 
 log = logging.getLogger("cuserve.server")
@@ -69,7 +82,8 @@ class ServerState:
 
 
 class BodyLimitMiddleware:
-    """413 for bodies over the limit, by Content-Length or while reading a chunked body."""
+    """413 for bodies over the limit: by Content-Length before reading, or (chunked
+    uploads without one) by reading the body up to the limit first, then replaying it."""
 
     def __init__(self, app, max_bytes: int) -> None:
         self.app = app
@@ -78,27 +92,67 @@ class BodyLimitMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        length = None
         for name, value in scope.get("headers", []):
             if name == b"content-length":
                 try:
-                    too_big = int(value) > self.max_bytes
+                    length = int(value)
                 except ValueError:
-                    too_big = False
-                if too_big:
-                    response = error_response(413, f"request body exceeds {self.max_bytes} bytes")
-                    return await response(scope, receive, send)
-        received = 0
-
-        async def limited_receive():
-            nonlocal received
+                    length = None
+        too_big = error_response(413, f"request body exceeds {self.max_bytes} bytes")
+        if length is not None:
+            if length > self.max_bytes:
+                return await too_big(scope, receive, send)
+            return await self.app(scope, receive, send)
+        if scope.get("method") in ("GET", "HEAD", "OPTIONS", "DELETE"):
+            return await self.app(scope, receive, send)
+        chunks, size = [], 0
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise APIError(413, f"request body exceeds {self.max_bytes} bytes")
-            return message
+            if message["type"] == "http.disconnect":
+                return None
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await too_big(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
 
-        return await self.app(scope, limited_receive, send)
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+
+class AuthMiddleware:
+    """With an API key set: 401 for every path but /health unless the request carries
+    'Authorization: Bearer <key>' (compared in constant time), before any body is read."""
+
+    OPEN_PATHS = frozenset({"/health"})
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("path") in self.OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        header = b""
+        for name, value in scope.get("headers", []):
+            if name == b"authorization":
+                header = value
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.expected):
+            response = error_response(401, "invalid or missing API key (Authorization: Bearer <key>)",
+                                      code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 class CountingMiddleware:
@@ -160,24 +214,21 @@ def create_app(settings: ServeSettings, engine: Engine | None = None,
     app = FastAPI(title="cuserve", version="0.1.0", lifespan=lifespan)
     app.state.cuserve = state
     install_error_handlers(app)
+    # outermost last: count everything, then check the key, then limit the body
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
-
+    if settings.api_key:
+        app.add_middleware(AuthMiddleware, api_key=settings.api_key)
     app.add_middleware(CountingMiddleware, state=state)
 
-    expected = settings.api_key.encode() if settings.api_key else None
+    def doc(model=None, stream: bool = False, *statuses: int) -> dict:
+        """OpenAPI responses of a route: its 200 body and the errors it may return."""
+        ok: dict = {"model": model} if model is not None else {}
+        if stream:
+            ok["content"] = {"text/event-stream": {"schema": {"type": "string"}}}
+        return {200: ok, **{code: {"model": ErrorResponse} for code in statuses}}
 
-    async def authorize(request: Request) -> None:
-        if expected is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
-            raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-
-    auth = [Depends(authorize)]
-
-    @app.get("/health")
+    @app.get("/health", response_model=None, responses={200: {"model": HealthResponse},
+                                                        503: {"model": HealthResponse}})
     async def health() -> Response:
         if state.ready:
             return JSONResponse({"status": "ok"})
@@ -185,25 +236,26 @@ def create_app(settings: ServeSettings, engine: Engine | None = None,
         return JSONResponse({"status": status}, status_code=503,
                             headers={"Retry-After": str(settings.retry_after)})
 
-    @app.get("/v1/models", dependencies=auth)
+    @app.get("/v1/models", response_model=None, responses=doc(ModelList, False))
     async def models() -> Response:
         return JSONResponse({"object": "list", "data": [_model_card(state)]})
 
-    @app.get("/v1/models/{model_id:path}", dependencies=auth)
+    @app.get("/v1/models/{model_id:path}", response_model=None, responses=doc(ModelCard, False, 404))
     async def model(model_id: str) -> Response:
         if model_id not in state.model_names:
             raise APIError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
         return JSONResponse(_model_card(state))
 
-    @app.post("/v1/completions", dependencies=auth)
+    @app.post("/v1/completions", response_model=None, responses=doc(CompletionResponse, True, 404, 500))
     async def completions(req: CompletionRequest, raw: Request):
         return await serving.completions(req, raw)
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/v1/chat/completions", response_model=None,
+              responses=doc(ChatCompletionResponse, True, 404, 500))
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         return await serving.chat(req, raw)
 
-    @app.post("/tokenize", dependencies=auth)
+    @app.post("/tokenize", response_model=None, responses=doc(TokenizeResponse, False, 404))
     async def tokenize(req: TokenizeRequest) -> Response:
         engine = state.require_engine()
         serving.check_model(req.model)
@@ -216,7 +268,7 @@ def create_app(settings: ServeSettings, engine: Engine | None = None,
             ids = engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids})
 
-    @app.post("/detokenize", dependencies=auth)
+    @app.post("/detokenize", response_model=None, responses=doc(DetokenizeResponse, False, 404))
     async def detokenize(req: DetokenizeRequest) -> Response:
         engine = state.require_engine()
         serving.check_model(req.model)
@@ -226,13 +278,42 @@ def create_app(settings: ServeSettings, engine: Engine | None = None,
             raise APIError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="tokens")
         return JSONResponse({"prompt": engine.tokenizer.decode(req.tokens, skip_special_tokens=False)})
 
-    @app.get("/metrics", dependencies=auth)
+    @app.get("/metrics", response_model=None,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics() -> Response:
         return PlainTextResponse(state.metrics.render(state.engine),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     state.known_paths = {route.path for route in app.routes}
+    app.openapi = lambda: _openapi(app, settings)
     return app
+
+
+def _openapi(app: FastAPI, settings: ServeSettings) -> dict:
+    """The schema as the server behaves: validation errors are 400 OpenAI errors (not
+    FastAPI's 422), every route may answer 401 (with a key), 413 and 503."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    from fastapi.openapi.utils import get_openapi
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    error_ref = {"$ref": "#/components/schemas/ErrorResponse"}
+    error = {"description": "OpenAI error object", "content": {"application/json": {"schema": error_ref}}}
+    for path, methods in schema.get("paths", {}).items():
+        for op in methods.values():
+            responses = op.setdefault("responses", {})
+            responses.pop("422", None)
+            if path == "/health":
+                continue
+            for code in ("400", "413", "503") + (("401",) if settings.api_key else ()):
+                responses.setdefault(code, error)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    components.pop("HTTPValidationError", None)
+    components.pop("ValidationError", None)
+    if settings.api_key:
+        schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        schema["security"] = [{"bearer": []}]
+    app.openapi_schema = schema
+    return schema
 
 
 def _model_card(state: ServerState) -> dict:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import signal
 import sys
+import threading
 
 
 def _download(args: argparse.Namespace) -> int:
@@ -39,6 +42,20 @@ def _serve(args: argparse.Namespace) -> int:
         def handle_exit(self, sig, frame) -> None:  # SIGTERM/SIGINT: /health turns 503 at once
             app.state.cuserve.draining = True
             super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            """uvicorn's, without re-raising the signal once the drain is done: a shutdown
+            that let every request finish exits 0 (orchestrators read a signal as a crash)."""
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
 
     def on_fatal(message: str) -> None:
         fatal.append(message)

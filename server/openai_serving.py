@@ -276,13 +276,12 @@ class OpenAIServing:
                                       prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None)
         runs = []
         for i, prompt in enumerate(prompts):
+            ids = await _encode(tok, prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
+            self._check(ids, params, "prompt")  # before decoding: ids may be anything a client sent
             if isinstance(prompt, str):
-                ids = await _encode(tok, prompt, add_special_tokens=True)
                 text = prompt
             else:
-                ids = prompt
                 text = tok.decode(ids, skip_special_tokens=False) if req.echo else ""
-            self._check(ids, params, "prompt")
             runs.append(PromptRun(i, ids, text, [Choice(i * req.n + j) for j in range(req.n)]))
 
         request_id = f"cmpl-{uuid.uuid4().hex}"

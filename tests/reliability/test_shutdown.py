@@ -1,0 +1,68 @@
+"""SIGTERM under load: streams in flight finish, nothing new is accepted, exit code 0."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+
+from tests.reliability.conftest import start
+
+
+def test_sigterm_drains_in_flight_streams(smollm2_path, tmp_path_factory):
+    proc = start(smollm2_path, tmp_path_factory, "shutdown", "--max-model-len", "256", "--shutdown-timeout", "40")
+    results: dict[int, dict] = {}
+    started = threading.Barrier(7)
+
+    def stream(i: int) -> None:
+        out = {"tokens": None, "error": None, "chunks": 0}
+        try:
+            with httpx.stream("POST", proc.url + "/v1/completions", timeout=120,
+                              json={"prompt": f"Story number {i}:", "max_tokens": 60, "ignore_eos": True,
+                                    "stream": True, "stream_options": {"include_usage": True}}) as r:
+                for line in r.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    out["chunks"] += 1
+                    if out["chunks"] == 1:
+                        started.wait(60)
+                    if "error" in chunk:
+                        out["error"] = chunk["error"]["message"]
+                    if chunk.get("usage"):
+                        out["tokens"] = chunk["usage"]["completion_tokens"]
+        except httpx.HTTPError as exc:
+            out["error"] = repr(exc)
+        results[i] = out
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    started.wait(60)  # all six are streaming
+    with httpx.Client(base_url=proc.url, timeout=10) as keepalive:
+        assert keepalive.get("/health").status_code == 200
+        proc.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        # nothing new is accepted: a new connection is refused, or answered 503
+        try:
+            late = httpx.post(proc.url + "/v1/completions", json={"prompt": "late", "max_tokens": 2}, timeout=5)
+            assert late.status_code == 503
+        except httpx.HTTPError:
+            pass
+        try:
+            assert keepalive.get("/health").status_code == 503
+        except httpx.HTTPError:
+            pass  # the server closed the idle connection: also nothing accepted
+    for t in threads:
+        t.join(90)
+    deadline = time.monotonic() + 60
+    while proc.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert proc.proc.returncode == 0, proc.logs()
+    for i, out in results.items():
+        # each stream either finished whole or ended with an error event, never silently cut
+        assert out["tokens"] == 60 or out["error"], (i, out)
+    assert sum(out["tokens"] == 60 for out in results.values()) == 6
