@@ -58,7 +58,20 @@ else
         curl -s localhost:8011/metrics | grep -E "roofline|num_requests|kv_cache_usage" > "$OUT/serve_metrics.log"
         kill $srv; wait $srv 2>/dev/null
     fi
+    if [ "${LOAD:-0}" = 1 ]; then  # issue 8's load test (500 requests, 64 concurrent, 10 % dropped) on the GPU
+        for spec in "smollm2:$model" "llama3-8b:random:llama3-8b"; do
+            name=${spec%%:*}; target=${spec#*:}
+            python3 -m server.cli serve --model "$target" --port 8012 --max-num-seqs 64 --kv-cache-gib 8 \
+                --max-model-len 1024 > "$OUT/load_${name}_server.log" 2>&1 &
+            srv=$!
+            for i in $(seq 1 180); do curl -sf localhost:8012/health > /dev/null && break; sleep 1; done
+            run "load_$name" timeout 240 python3 bench/load_test.py --url http://127.0.0.1:8012 --requests 500 \
+                --concurrency 64 --cancel 0.1 --max-tokens 16 --json "$OUT/load_$name.json"
+            kill $srv; wait $srv 2>/dev/null
+        done
+    fi
     tail -n 6 "$OUT"/bench_*.log "$OUT"/prefill_8b.log "$OUT"/peer_hf.log "$OUT"/serve_8b_c*.log 2>/dev/null
+    tail -n 22 "$OUT"/load_*.log 2>/dev/null | grep -vE "^\s*$"
 fi
 echo
 echo "== stage $stage summary =="
