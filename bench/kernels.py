@@ -68,7 +68,7 @@ def matmul_table(shape: dict, batches: list[int]) -> list[str]:
     return rows
 
 
-def decode_table(shape_name: str, batches: list[int], context: int) -> list[str]:
+def decode_table(shape_name: str, batches: list[int], context: int, pdl: bool | None = None) -> list[str]:
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.loader import load_model
     from engine.outputs import ScheduledSeq, SchedulerOutput
@@ -79,7 +79,7 @@ def decode_table(shape_name: str, batches: list[int], context: int) -> list[str]
     config = EngineConfig(model=shape_name, device="cuda", cache=CacheConfig(kv_cache_bytes=8 << 30),
                           scheduler=SchedulerConfig(max_num_seqs=max(batches), max_model_len=context + 256,
                                                     max_num_batched_tokens=max(2048, max(batches))))
-    runner = CudaRunner(config, model, progress=False)
+    runner = CudaRunner(config, model, progress=False, pdl=pdl)
     weight_bytes = 2 * cfg.num_params()
     rows = []
     greedy = SamplingParams(temperature=0)
@@ -98,7 +98,7 @@ def decode_table(shape_name: str, batches: list[int], context: int) -> list[str]
             step.append((time.perf_counter() - t0) * 1e3)
         t_step = statistics.median(step)
         kv_bytes = B * context * cfg.kv_bytes_per_token(2)
-        rows.append(f"{shape_name} B={B:<4d} ctx={context}: graph {t_graph:7.3f} ms "
+        rows.append(f"{shape_name} pdl={runner.pdl:d} B={B:<4d} ctx={context}: graph {t_graph:7.3f} ms "
                     f"({(weight_bytes + kv_bytes) / t_graph / 1e6:6.0f} GB/s of weights+KV), runner.execute "
                     f"{t_step:7.3f} ms -> {B / t_step * 1e3:9.1f} tok/s")
     return rows
@@ -116,7 +116,8 @@ def main() -> None:
     lines = [f"copy bandwidth: {copy_bandwidth():.0f} GB/s (read + write)"]
     if not args.skip_matmul:
         lines += matmul_table(SHAPES[args.shape], sorted(set(batches + [1, 2, 4, 8])))
-    lines += decode_table(args.shape, batches, args.context)
+    lines += decode_table(args.shape, batches, args.context, pdl=False)
+    lines += decode_table(args.shape, batches, args.context, pdl=True)
     print("\n".join(lines))
 
 

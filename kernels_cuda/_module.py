@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import shutil
+import ctypes
 from pathlib import Path
 
 import cupy as cp
@@ -94,3 +95,71 @@ def f32(x) -> np.float32:
 def ptr_or_null(arr: cp.ndarray | None):
     """A device pointer argument that may be null."""
     return arr if arr is not None else np.uint64(0)
+
+
+# ---------------------------------------------------------------------------- launching
+# Kernels go through CuPy's launch, or, with pdl=True, through cuLaunchKernelEx with the
+# programmatic stream-serialization attribute (Hopper's programmatic dependent launch:
+# the kernel may start while the previous one finishes; the kernels open with
+# griddepcontrol.wait, see PDL_ENTER in common.cuh). Graph capture records either.
+
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class _AttrValue(ctypes.Union):
+    _fields_ = [("pad", ctypes.c_char * 64), ("i", ctypes.c_int)]
+
+
+class _Attr(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _AttrValue)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_Attr)), ("numAttrs", ctypes.c_uint)]
+
+
+_driver: ctypes.CDLL | None = None
+_PDL_ATTR = _Attr(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, value=_AttrValue(i=1))
+
+
+def _cuda_driver() -> ctypes.CDLL:
+    global _driver
+    if _driver is None:
+        _driver = ctypes.CDLL("libcuda.so.1")
+        _driver.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p,
+                                             ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+    return _driver
+
+
+def pdl_supported() -> bool:
+    """Programmatic dependent launch needs compute capability 9.0 (Hopper) or newer."""
+    major = cp.cuda.Device().compute_capability[0]
+    return int(major) >= 9
+
+
+def _c_arg(arg):
+    if isinstance(arg, cp.ndarray):
+        return ctypes.c_void_p(arg.data.ptr)
+    if isinstance(arg, np.generic):
+        return {np.dtype(np.int32): ctypes.c_int, np.dtype(np.int64): ctypes.c_longlong,
+                np.dtype(np.uint64): ctypes.c_ulonglong, np.dtype(np.float32): ctypes.c_float}[arg.dtype](arg.item())
+    raise TypeError(f"kernel argument of type {type(arg).__name__}")
+
+
+def launch(kernel: cp.RawKernel, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0,
+           pdl: bool = False) -> None:
+    """Launch on the current stream; with pdl, as a programmatic dependent launch."""
+    if not pdl:
+        kernel(grid, block, args, shared_mem=shared_mem)
+        return
+    grid = tuple(grid) + (1,) * (3 - len(grid))
+    block = tuple(block) + (1,) * (3 - len(block))
+    values = [_c_arg(a) for a in args]
+    params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
+    config = _LaunchConfig(*grid, *block, shared_mem, cp.cuda.get_current_stream().ptr, ctypes.pointer(_PDL_ATTR), 1)
+    status = _cuda_driver().cuLaunchKernelEx(ctypes.byref(config), kernel.kernel.ptr, params, None)
+    if status:
+        raise RuntimeError(f"cuLaunchKernelEx failed ({status})")

@@ -26,6 +26,23 @@ __device__ __forceinline__ scalar_t from_float(float x) { return __float2half(x)
 __device__ __forceinline__ float2 to_float2(scalar2_t x) { return __half22float2(x); }
 #endif
 
+// Programmatic dependent launch (Hopper): a kernel launched with the programmatic
+// stream-serialization attribute may start while the previous one finishes; it must
+// wait for that one's results before touching memory, and lets the next kernel start
+// at once. Every kernel opens with PDL_ENTER(). Without the attribute (or before
+// sm_90) both are no-ops.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define PDL_ENTER()                                            \
+    do {                                                       \
+        asm volatile("griddepcontrol.wait;" ::: "memory");     \
+        asm volatile("griddepcontrol.launch_dependents;" :::); \
+    } while (0)
+#else
+#define PDL_ENTER() \
+    do {            \
+    } while (0)
+#endif
+
 #define NEG_INF (__int_as_float(0xff800000))
 #define POS_INF (__int_as_float(0x7f800000))
 

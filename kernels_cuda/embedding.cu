@@ -4,6 +4,7 @@
 // out (T, hidden) float32 <- table[ids[t]] ; grid (T), block (any)
 extern "C" __global__ void embedding(const int *__restrict__ ids, const scalar_t *__restrict__ table,
                                      float *__restrict__ out, int hidden) {
+    PDL_ENTER();
     const long long t = blockIdx.x;
     const scalar_t *row = table + (long long)ids[t] * hidden;
     float *o = out + t * hidden;

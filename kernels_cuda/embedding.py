@@ -5,10 +5,10 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
-from ._module import check, i32, module, use_bf16
+from ._module import check, i32, launch, module, use_bf16
 
 
-def embedding(ids: cp.ndarray, table: cp.ndarray, out: cp.ndarray | None = None) -> cp.ndarray:
+def embedding(ids: cp.ndarray, table: cp.ndarray, out: cp.ndarray | None = None, pdl: bool = False) -> cp.ndarray:
     """out (T, hidden) float32 = table[ids]; ids (T,) int32, table (vocab, hidden) 16-bit."""
     check(ids, "ids", np.int32)
     if table.ndim != 2:
@@ -18,6 +18,6 @@ def embedding(ids: cp.ndarray, table: cp.ndarray, out: cp.ndarray | None = None)
         out = cp.empty((T, hidden), np.float32)
     check(out, "out", np.float32, (T, hidden))
     if T:
-        module("embedding", USE_BF16=use_bf16(table)).get_function("embedding")(
-            (T,), (min(1024, hidden),), (ids, table, out, i32(hidden)))
+        launch(module("embedding", USE_BF16=use_bf16(table)).get_function("embedding"),
+               (T,), (min(1024, hidden),), (ids, table, out, i32(hidden)), pdl=pdl)
     return out

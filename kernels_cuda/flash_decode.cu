@@ -38,6 +38,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_decode_chunk(
     float *__restrict__ part_o,             // (B, H, max_splits, HEAD_DIM)
     float *__restrict__ part_ml,            // (B, H, max_splits, 2): max, sum
     int num_heads, int num_kv_heads, int max_splits, int window, float scale) {
+    PDL_ENTER();
     const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
     const int kv_len = kv_lens[b];
     const int start = window_start(kv_len, window) + split * CHUNK;
@@ -138,6 +139,7 @@ extern "C" __global__ void flash_decode_reduce(
     const float *__restrict__ part_o, const float *__restrict__ part_ml, const int *__restrict__ kv_lens,
     scalar_t *__restrict__ out,  // (B, H, HEAD_DIM)
     int num_heads, int max_splits, int window) {
+    PDL_ENTER();
     const int h = blockIdx.x, b = blockIdx.y;
     const int kv_len = kv_lens[b];
     const long long row = (long long)b * num_heads + h;

@@ -6,7 +6,7 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
-from ._module import check, check_scalar, f32, i32, i64, module, use_bf16
+from ._module import check, check_scalar, f32, i32, i64, launch, module, use_bf16
 
 CHUNK_THREADS = 128
 
@@ -17,7 +17,7 @@ def num_splits(max_model_len: int, chunk: int) -> int:
 
 def flash_decode(q: cp.ndarray, k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, kv_lens: cp.ndarray,
                  layer_offset: int, num_kv_heads: int, part_o: cp.ndarray, part_ml: cp.ndarray,
-                 out: cp.ndarray, scale: float, chunk: int = 256, window: int = 0) -> cp.ndarray:
+                 out: cp.ndarray, scale: float, chunk: int = 256, window: int = 0, pdl: bool = False) -> cp.ndarray:
     """out (B, H, D) = softmax(q k^T * scale) v over each row's kv_lens[b] cached keys.
 
     part_o (B, H, S, D) float32 and part_ml (B, H, S, 2) float32 are the split partials;
@@ -39,10 +39,9 @@ def flash_decode(q: cp.ndarray, k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, kv_lens:
         check(arr, name, dt, (B,))
     check(out, "out", q.dtype, (B, H, D))
     mod = module("flash_decode", USE_BF16=use_bf16(q), HEAD_DIM=D, GROUP=H // num_kv_heads, CHUNK=chunk)
-    mod.get_function("flash_decode_chunk")(
-        (S, num_kv_heads, B), (CHUNK_THREADS,),
-        (q, k_ptrs, v_ptrs, kv_lens, i64(layer_offset), part_o, part_ml, i32(H), i32(num_kv_heads), i32(S),
-         i32(window), f32(scale)))
-    mod.get_function("flash_decode_reduce")(
-        (H, B), (min(D, 256),), (part_o, part_ml, kv_lens, out, i32(H), i32(S), i32(window)))
+    launch(mod.get_function("flash_decode_chunk"), (S, num_kv_heads, B), (CHUNK_THREADS,),
+           (q, k_ptrs, v_ptrs, kv_lens, i64(layer_offset), part_o, part_ml, i32(H), i32(num_kv_heads), i32(S),
+            i32(window), f32(scale)), pdl=pdl)
+    launch(mod.get_function("flash_decode_reduce"), (H, B), (min(D, 256),),
+           (part_o, part_ml, kv_lens, out, i32(H), i32(S), i32(window)), pdl=pdl)
     return out

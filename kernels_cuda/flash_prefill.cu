@@ -37,6 +37,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_prefill(
     const long long *__restrict__ k_ptrs,     // (S)
     const long long *__restrict__ v_ptrs,     // (S)
     long long layer_offset, int num_heads, int num_kv_heads, int window, float scale) {
+    PDL_ENTER();
     extern __shared__ __align__(128) unsigned char smem[];
     scalar_t *sQ = reinterpret_cast<scalar_t *>(smem);
     scalar_t *sK = sQ + BLOCK_M * LDS;

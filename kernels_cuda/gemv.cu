@@ -83,11 +83,13 @@ __device__ __forceinline__ void skinny(const scalar_t *__restrict__ x, const sca
 extern "C" __global__ void __launch_bounds__(WARPS * 32) gemv_8(const scalar_t *__restrict__ x,
                                                                 const scalar_t *__restrict__ w,
                                                                 float *__restrict__ y, int B, int N, int K) {
+    PDL_ENTER();
     skinny<false>(x, w, y, B, N, K);
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32) gemv_16(const scalar_t *__restrict__ x,
                                                                  const scalar_t *__restrict__ w,
                                                                  float *__restrict__ y, int B, int N, int K) {
+    PDL_ENTER();
     skinny<true>(x, w, y, B, N, K);
 }

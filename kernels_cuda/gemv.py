@@ -5,13 +5,13 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
-from ._module import check, i32, module, same_scalar, use_bf16
+from ._module import check, i32, launch, module, same_scalar, use_bf16
 
 MAX_ROWS = 16
 THREADS = 256  # 8 warps share 8 output features and split K
 
 
-def gemv(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray | None = None) -> cp.ndarray:
+def gemv(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray | None = None, pdl: bool = False) -> cp.ndarray:
     """out (B, N) float32 = x (B, K) @ w (N, K)^T; B <= 16, K a multiple of 8, 16-bit operands.
 
     Each output element is computed the same way whatever B is (batch invariance).
@@ -31,6 +31,6 @@ def gemv(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray | None = None) -> cp.ndar
         out = cp.empty((B, N), np.float32)
     check(out, "out", np.float32, (B, N))
     name = "gemv_8" if B <= 8 else "gemv_16"
-    module("gemv", USE_BF16=use_bf16(w)).get_function(name)(
-        ((N + 7) // 8,), (THREADS,), (x, w, out, i32(B), i32(N), i32(K)))
+    launch(module("gemv", USE_BF16=use_bf16(w)).get_function(name),
+           ((N + 7) // 8,), (THREADS,), (x, w, out, i32(B), i32(N), i32(K)), pdl=pdl)
     return out

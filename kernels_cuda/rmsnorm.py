@@ -5,7 +5,7 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
-from ._module import check, check_scalar, f32, i32, module, ptr_or_null, use_bf16
+from ._module import check, check_scalar, f32, i32, launch, module, ptr_or_null, use_bf16
 
 THREADS = 512
 
@@ -19,7 +19,7 @@ def _out(out, rows, hidden, dtype):
 
 
 def rms_norm(x: cp.ndarray, weight: cp.ndarray, eps: float, out: cp.ndarray | None = None,
-             out_dtype=np.float16) -> cp.ndarray:
+             out_dtype=np.float16, pdl: bool = False) -> cp.ndarray:
     """out (rows, hidden) 16-bit = x / rms(x) * weight; x float32, weight float32."""
     if x.ndim != 2:
         raise ValueError(f"x: expected (rows, hidden), got {x.shape}")
@@ -28,14 +28,14 @@ def rms_norm(x: cp.ndarray, weight: cp.ndarray, eps: float, out: cp.ndarray | No
     check(weight, "weight", np.float32, (hidden,))
     out = _out(out, rows, hidden, out_dtype)
     if rows:
-        module("rmsnorm", USE_BF16=use_bf16(out)).get_function("rms_norm")(
-            (rows,), (THREADS,), (x, weight, out, i32(hidden), f32(eps)))
+        launch(module("rmsnorm", USE_BF16=use_bf16(out)).get_function("rms_norm"),
+               (rows,), (THREADS,), (x, weight, out, i32(hidden), f32(eps)), pdl=pdl)
     return out
 
 
 def add_rms_norm(residual: cp.ndarray, delta: cp.ndarray, weight: cp.ndarray, eps: float,
                  out: cp.ndarray | None = None, bias: cp.ndarray | None = None,
-                 out_dtype=np.float16) -> cp.ndarray:
+                 out_dtype=np.float16, pdl: bool = False) -> cp.ndarray:
     """residual += delta (+ bias), in place; out = rms_norm(residual) * weight."""
     if residual.ndim != 2:
         raise ValueError(f"residual: expected (rows, hidden), got {residual.shape}")
@@ -47,6 +47,7 @@ def add_rms_norm(residual: cp.ndarray, delta: cp.ndarray, weight: cp.ndarray, ep
         check(bias, "bias", np.float32, (hidden,))
     out = _out(out, rows, hidden, out_dtype)
     if rows:
-        module("rmsnorm", USE_BF16=use_bf16(out)).get_function("add_rms_norm")(
-            (rows,), (THREADS,), (residual, delta, ptr_or_null(bias), weight, out, i32(hidden), f32(eps)))
+        launch(module("rmsnorm", USE_BF16=use_bf16(out)).get_function("add_rms_norm"),
+               (rows,), (THREADS,), (residual, delta, ptr_or_null(bias), weight, out, i32(hidden), f32(eps)),
+               pdl=pdl)
     return out

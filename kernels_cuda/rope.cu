@@ -22,6 +22,7 @@ extern "C" __global__ void rope_kv_write(
     const long long *__restrict__ k_ptrs,  // (T) element addresses of each token's K region (layer 0)
     const long long *__restrict__ v_ptrs,
     long long layer_offset, int num_heads, int num_kv_heads) {
+    PDL_ENTER();
     const long long t = blockIdx.x;
     const int width = (num_heads + 2 * num_kv_heads) * HEAD_DIM;
     const float *row = qkv + t * width;

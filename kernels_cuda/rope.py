@@ -5,12 +5,12 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
-from ._module import check, check_scalar, i32, i64, module, ptr_or_null, use_bf16
+from ._module import check, check_scalar, i32, i64, launch, module, ptr_or_null, use_bf16
 
 
 def rope_kv_write(qkv: cp.ndarray, positions: cp.ndarray, cos: cp.ndarray, sin: cp.ndarray,
                   k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, layer_offset: int, num_heads: int, num_kv_heads: int,
-                  head_dim: int, q_out: cp.ndarray, bias: cp.ndarray | None = None) -> cp.ndarray:
+                  head_dim: int, q_out: cp.ndarray, bias: cp.ndarray | None = None, pdl: bool = False) -> cp.ndarray:
     """Rotate q, k of a layer's QKV product; write q to q_out (T, H, D) and k, v into the cache.
 
     k_ptrs / v_ptrs (T,) int64: element addresses of each token's K / V region (layer 0);
@@ -33,7 +33,7 @@ def rope_kv_write(qkv: cp.ndarray, positions: cp.ndarray, cos: cp.ndarray, sin: 
     if bias is not None:
         check(bias, "bias", np.float32, (width,))
     if T:
-        module("rope", USE_BF16=use_bf16(q_out), HEAD_DIM=head_dim).get_function("rope_kv_write")(
-            (T,), (256,), (qkv, ptr_or_null(bias), positions, cos, sin, q_out, k_ptrs, v_ptrs, i64(layer_offset),
-                           i32(num_heads), i32(num_kv_heads)))
+        launch(module("rope", USE_BF16=use_bf16(q_out), HEAD_DIM=head_dim).get_function("rope_kv_write"),
+               (T,), (256,), (qkv, ptr_or_null(bias), positions, cos, sin, q_out, k_ptrs, v_ptrs, i64(layer_offset),
+                              i32(num_heads), i32(num_kv_heads)), pdl=pdl)
     return q_out

@@ -96,6 +96,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_tokens(
     int max_bias,
     const int *__restrict__ banned_n, const int *__restrict__ banned_ids, int max_banned,
     int *__restrict__ sampled) {             // (R)
+    PDL_ENTER();
     const int row = blockIdx.x, tid = threadIdx.x;
     const float *raw = logits + (long long)row * V;
     float *w = work + (long long)row * V;
@@ -234,6 +235,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) token_logprobs(
     const float *__restrict__ logits, int V, const int *__restrict__ lp_n, const int *__restrict__ target_ids,
     float *__restrict__ out_lp, int *__restrict__ out_rank, int *__restrict__ top_ids,
     float *__restrict__ top_lp, int max_top) {
+    PDL_ENTER();
     const int row = blockIdx.x, tid = threadIdx.x;
     const int n = lp_n[row];
     if (n < 0) return;

@@ -5,13 +5,14 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
-from ._module import check, i32, module
+from ._module import check, i32, launch, module
 
 THREADS = 1024
 
 
 def sample_tokens(logits: cp.ndarray, work: cp.ndarray, params: dict[str, cp.ndarray], counts: cp.ndarray,
-                  prompt_mask: cp.ndarray, sampled: cp.ndarray, rows: int | None = None) -> cp.ndarray:
+                  prompt_mask: cp.ndarray, sampled: cp.ndarray, rows: int | None = None, pdl: bool = False
+                  ) -> cp.ndarray:
     """Sample one token per row of logits (R, V) float32 into sampled (R,) int32.
 
     params: per-row device arrays temperature, top_p, min_p, rep_pen, freq_pen, pres_pen
@@ -38,17 +39,17 @@ def sample_tokens(logits: cp.ndarray, work: cp.ndarray, params: dict[str, cp.nda
     check(sampled, "sampled", np.int32)
     p = params
     if rows:
-        module("sampling").get_function("sample_tokens")(
-            (rows,), (THREADS,),
-            (logits, work, i32(V), p["temperature"], p["top_k"], p["top_p"], p["min_p"], p["seeds"], p["counters"],
-             p["rep_pen"], p["freq_pen"], p["pres_pen"], p["pen_slot"], counts, prompt_mask,
-             p["bias_n"], p["bias_ids"], p["bias_vals"], i32(p["bias_ids"].shape[1]),
-             p["banned_n"], p["banned_ids"], i32(p["banned_ids"].shape[1]), sampled))
+        launch(module("sampling").get_function("sample_tokens"), (rows,), (THREADS,),
+               (logits, work, i32(V), p["temperature"], p["top_k"], p["top_p"], p["min_p"], p["seeds"],
+                p["counters"], p["rep_pen"], p["freq_pen"], p["pres_pen"], p["pen_slot"], counts, prompt_mask,
+                p["bias_n"], p["bias_ids"], p["bias_vals"], i32(p["bias_ids"].shape[1]),
+                p["banned_n"], p["banned_ids"], i32(p["banned_ids"].shape[1]), sampled), pdl=pdl)
     return sampled
 
 
 def token_logprobs(logits: cp.ndarray, lp_n: cp.ndarray, target_ids: cp.ndarray, out_lp: cp.ndarray,
-                   out_rank: cp.ndarray, top_ids: cp.ndarray, top_lp: cp.ndarray, rows: int | None = None) -> None:
+                   out_rank: cp.ndarray, top_ids: cp.ndarray, top_lp: cp.ndarray, rows: int | None = None,
+                   pdl: bool = False) -> None:
     """Per row with lp_n >= 0: logprob and rank of target_ids[row] under the raw logits,
     and the lp_n (<= top_ids.shape[1]) most likely tokens with their logprobs."""
     R, V = logits.shape
@@ -61,6 +62,5 @@ def token_logprobs(logits: cp.ndarray, lp_n: cp.ndarray, target_ids: cp.ndarray,
     check(top_ids, "top_ids", np.int32)
     check(top_lp, "top_lp", np.float32, top_ids.shape)
     if rows:
-        module("sampling").get_function("token_logprobs")(
-            (rows,), (THREADS,), (logits, i32(V), lp_n, target_ids, out_lp, out_rank, top_ids, top_lp,
-                                  i32(top_ids.shape[1])))
+        launch(module("sampling").get_function("token_logprobs"), (rows,), (THREADS,),
+               (logits, i32(V), lp_n, target_ids, out_lp, out_rank, top_ids, top_lp, i32(top_ids.shape[1])), pdl=pdl)

@@ -27,6 +27,7 @@ from kernels_cuda.flash_prefill import flash_prefill, tiles
 from kernels_cuda.gemm import gemm
 from kernels_cuda.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from kernels_cuda.gemv import gemv
+from kernels_cuda._module import pdl_supported
 from kernels_cuda.rmsnorm import add_rms_norm, rms_norm
 from kernels_cuda.rope import rope_kv_write
 from kernels_cuda.sampling import sample_tokens, token_logprobs
@@ -172,7 +173,7 @@ class CudaRunner:
     device = "cuda"
 
     def __init__(self, config: EngineConfig, model: LoadedModel | None = None, *, model_config: ModelConfig | None = None,
-                 weights: Weights | ModelWeights | None = None, progress: bool = True) -> None:
+                 weights: Weights | ModelWeights | None = None, progress: bool = True, pdl: bool | None = None) -> None:
         """Load weights to the GPU, allocate every buffer, size the KV pool, capture graphs.
 
         Either `model` (a LoadedModel), or `model_config` with `weights` (checkpoint
@@ -184,6 +185,8 @@ class CudaRunner:
         self.engine_config = config
         self.enforce_eager = config.enforce_eager
         self.stream = cp.cuda.Stream(non_blocking=True)
+        # programmatic dependent launch: kernels overlap their launch with the previous one's tail
+        self.pdl = pdl_supported() if pdl is None else pdl
         self.dtype_name = "bfloat16" if cfg.dtype == "bfloat16" else "float16"
         self.scalar = np.uint16 if self.dtype_name == "bfloat16" else np.float16
         sched = config.scheduler
@@ -351,7 +354,7 @@ class CudaRunner:
 
     def _linear(self, x: cp.ndarray, w: cp.ndarray, out: cp.ndarray) -> None:
         if x.shape[0] <= GEMV_MAX_ROWS:
-            gemv(x, w, out)
+            gemv(x, w, out, pdl=self.pdl)
         else:
             gemm(x, w, out)
 
@@ -362,40 +365,43 @@ class CudaRunner:
         eps = cfg.rms_norm_eps
         for i, layer in enumerate(w.layers):
             if i == 0:
-                rms_norm(b.embed_out[:n], layer.input_layernorm, eps, out=b.norm_out[:n])
+                rms_norm(b.embed_out[:n], layer.input_layernorm, eps, out=b.norm_out[:n], pdl=self.pdl)
             else:
-                add_rms_norm(b.embed_out[:n], b.down_out[:n], layer.input_layernorm, eps, out=b.norm_out[:n])
+                add_rms_norm(b.embed_out[:n], b.down_out[:n], layer.input_layernorm, eps, out=b.norm_out[:n],
+                             pdl=self.pdl)
             self._linear(b.norm_out[:n], layer.qkv_proj, b.qkv_out[:n])
             attention(i, layer)
             self._linear(b.attn_out[:n].reshape(n, cfg.q_size), layer.o_proj, b.o_proj_out[:n])
             add_rms_norm(b.embed_out[:n], b.o_proj_out[:n], layer.post_attention_layernorm, eps,
-                         out=b.norm_out[:n], bias=layer.o_bias)
+                         out=b.norm_out[:n], bias=layer.o_bias, pdl=self.pdl)
             self._linear(b.norm_out[:n], layer.gate_up_proj, b.gate_up_out[:n])
-            silu_mul(b.gate_up_out[:n], out=b.mlp_act[:n])
+            silu_mul(b.gate_up_out[:n], out=b.mlp_act[:n], pdl=self.pdl)
             self._linear(b.mlp_act[:n], layer.down_proj, b.down_out[:n])
 
     def _sample(self, n: int) -> None:
         b, d = self.buffers, self.buffers.inputs.dev
-        sample_tokens(b.logits, b.sample_work, d, b.pen_counts, b.pen_prompt_mask, b.sampled, rows=n)
-        token_logprobs(b.logits, d["lp_n"], b.sampled, b.lp_value, b.lp_rank, b.lp_top_ids, b.lp_top_values, rows=n)
+        sample_tokens(b.logits, b.sample_work, d, b.pen_counts, b.pen_prompt_mask, b.sampled, rows=n, pdl=self.pdl)
+        token_logprobs(b.logits, d["lp_n"], b.sampled, b.lp_value, b.lp_rank, b.lp_top_ids, b.lp_top_values, rows=n,
+                       pdl=self.pdl)
 
     def _decode_body(self, n: int) -> None:
         """One decode step for n rows (a bucket): no host work, no branches on data."""
         cfg, b, w = self.config, self.buffers, self.weights
         d = b.inputs.dev
-        embedding(d["input_ids"][:n], w.embed_tokens, b.embed_out[:n])
+        embedding(d["input_ids"][:n], w.embed_tokens, b.embed_out[:n], pdl=self.pdl)
 
         def attention(i: int, layer) -> None:
             offset = i * self._layer_elems
             rope_kv_write(b.qkv_out[:n], d["positions"][:n], self.rope_cos, self.rope_sin, d["k_ptrs"][:n],
                           d["v_ptrs"][:n], offset, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                          b.q_rot[:n], bias=layer.qkv_bias)
+                          b.q_rot[:n], bias=layer.qkv_bias, pdl=self.pdl)
             flash_decode(b.q_rot[:n], d["k_ptrs"][:n], d["v_ptrs"][:n], d["kv_lens"][:n], offset, cfg.num_kv_heads,
                          b.part_o[:n], b.part_ml[:n], b.attn_out[:n], cfg.softmax_scale, self.chunk,
-                         cfg.sliding_window or 0)
+                         cfg.sliding_window or 0, pdl=self.pdl)
 
         self._layers(n, attention)
-        add_rms_norm(b.embed_out[:n], b.down_out[:n], w.norm, cfg.rms_norm_eps, out=b.final_norm_out[:n])
+        add_rms_norm(b.embed_out[:n], b.down_out[:n], w.norm, cfg.rms_norm_eps, out=b.final_norm_out[:n],
+                     pdl=self.pdl)
         self._linear(b.final_norm_out[:n], w.lm_head, b.logits[:n])
         self._sample(n)
 
