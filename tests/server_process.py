@@ -60,3 +60,14 @@ class ServerProcess:
         if self.log not in (None, subprocess.DEVNULL):
             self.log.close()
         return self.proc.returncode
+
+
+def start_server(tmp_path_factory, name: str, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
+    """A ready `cuserve serve` process with these flags, logging to a temporary file."""
+    proc = ServerProcess(*args, env=env, log_path=tmp_path_factory.mktemp("logs") / f"{name}.log")
+    try:
+        proc.wait_ready()
+    except BaseException:
+        proc.stop()
+        raise
+    return proc

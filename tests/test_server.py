@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.server_process import ServerProcess
+from tests.server_process import start_server
 
 MODEL = "SmolLM2-135M-Instruct"
 KEY = "sk-test-7d1c"
@@ -19,31 +19,25 @@ KEY = "sk-test-7d1c"
 DEVICE = os.environ.get("CUSERVE_TEST_DEVICE", "cpu")
 
 
+def serve(smollm2_path, tmp_path_factory, name, *args, env=None):
+    return start_server(tmp_path_factory, name, "--model", smollm2_path, "--served-model-name", MODEL,
+                        "--device", DEVICE, "--kv-cache-gib", "1", *args, env=env)
+
+
 @pytest.fixture(scope="module")
 def server(smollm2_path, tmp_path_factory):
-    proc = ServerProcess("--model", smollm2_path, "--served-model-name", MODEL, "--device", DEVICE,
-                         "--max-model-len", "2048", "--max-num-seqs", "16", "--kv-cache-gib", "1",
-                         log_path=tmp_path_factory.mktemp("logs") / "server.log")
-    try:
-        proc.wait_ready()
-        yield proc
-    finally:
-        proc.stop()
+    proc = serve(smollm2_path, tmp_path_factory, "server", "--max-model-len", "2048", "--max-num-seqs", "16")
+    yield proc
+    proc.stop()
 
 
 @pytest.fixture(scope="module")
 def guarded(smollm2_path, tmp_path_factory):
     """A server with an API key, one running sequence and a waiting queue of one."""
-    proc = ServerProcess("--model", smollm2_path, "--served-model-name", MODEL, "--device", DEVICE,
-                         "--max-model-len", "1024", "--max-num-seqs", "1", "--max-waiting", "1", "--kv-cache-gib", "1",
-                         "--max-num-batched-tokens", "64",
-                         env={"CUSERVE_API_KEY": KEY},
-                         log_path=tmp_path_factory.mktemp("logs") / "guarded.log")
-    try:
-        proc.wait_ready()
-        yield proc
-    finally:
-        proc.stop()
+    proc = serve(smollm2_path, tmp_path_factory, "guarded", "--max-model-len", "1024", "--max-num-seqs", "1",
+                 "--max-waiting", "1", "--max-num-batched-tokens", "64", env={"CUSERVE_API_KEY": KEY})
+    yield proc
+    proc.stop()
 
 
 @pytest.fixture

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.server_process import ServerProcess
+from tests.server_process import ServerProcess, start_server
 
 MODEL = "SmolLM2-135M-Instruct"
 
 
 def start(smollm2_path: str, tmp_path_factory, name: str, *args: str, env: dict | None = None) -> ServerProcess:
-    proc = ServerProcess("--model", smollm2_path, "--served-model-name", MODEL, "--device", "cpu",
-                         "--kv-cache-gib", "1", *args, env=env,
-                         log_path=tmp_path_factory.mktemp("logs") / f"{name}.log")
-    proc.wait_ready()
-    return proc
+    return start_server(tmp_path_factory, name, "--model", smollm2_path, "--served-model-name", MODEL,
+                        "--device", "cpu", "--kv-cache-gib", "1", *args, env=env)
 
 
 @pytest.fixture(scope="module")
