@@ -11,10 +11,6 @@ from ._module import check, check_scalar, f32, i32, i64, launch, module, use_bf1
 CHUNK_THREADS = 128
 
 
-def num_splits(max_model_len: int, chunk: int) -> int:
-    return max(1, -(-max_model_len // chunk))
-
-
 def flash_decode(q: cp.ndarray, k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, kv_lens: cp.ndarray,
                  layer_offset: int, num_kv_heads: int, part_o: cp.ndarray, part_ml: cp.ndarray,
                  out: cp.ndarray, scale: float, chunk: int = 256, window: int = 0, pdl: bool = False) -> cp.ndarray:

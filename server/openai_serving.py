@@ -60,7 +60,6 @@ class PromptRun:
     prompt_text: str
     choices: list[Choice]
     prompt_logprobs: list[TokenLogprobs] | None = None
-    num_generated: int = 0
 
 
 class TokenText:
@@ -166,7 +165,6 @@ class OpenAIServing:
         """Fold an engine delta into the run; returns (choice, text, token ids, logprobs) deltas."""
         if out.prompt_logprobs is not None:
             run.prompt_logprobs = out.prompt_logprobs
-        run.num_generated = out.num_generated_tokens
         deltas = []
         for piece in out.outputs:
             choice = run.choices[piece.index]

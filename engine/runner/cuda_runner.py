@@ -346,10 +346,6 @@ class CudaRunner:
         embed = 0 if w.lm_head is w.embed_tokens else w.embed_tokens.nbytes
         return self.weight_bytes - embed + kv_tokens * self.config.kv_bytes_per_token(np.dtype(self.scalar).itemsize)
 
-    @staticmethod
-    def kv_bytes_per_slot(config: ModelConfig) -> int:
-        return config.kv_bytes_per_token(2)
-
     # ------------------------------------------------------------------ the model
 
     def _linear(self, x: cp.ndarray, w: cp.ndarray, out: cp.ndarray) -> None:
@@ -425,12 +421,6 @@ class CudaRunner:
         self.stream.synchronize()
 
     # ------------------------------------------------------------------ step inputs
-
-    def _k_ptr(self, kv_start: int) -> int:
-        return self.k_cache.data.ptr + kv_start * self._slot_bytes
-
-    def _v_ptr(self, kv_start: int) -> int:
-        return self.v_cache.data.ptr + kv_start * self._slot_bytes
 
     def _fill_padding(self, start: int, end: int) -> None:
         h = self.buffers.inputs.host
