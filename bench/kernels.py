@@ -68,6 +68,91 @@ def matmul_table(shape: dict, batches: list[int]) -> list[str]:
     return rows
 
 
+SWEEP = [  # gemv.cu shape constants to compare (static shared memory stays under 48 KB)
+    {"WARPS": 8, "NTILE": 1, "VEC": 1, "STAGES": 0, "DEPTH": 8},
+    {"WARPS": 8, "NTILE": 1, "VEC": 1, "STAGES": 4, "DEPTH": 8},
+    {"WARPS": 8, "NTILE": 1, "VEC": 1, "STAGES": 8, "DEPTH": 8},
+    {"WARPS": 8, "NTILE": 1, "VEC": 2, "STAGES": 4, "DEPTH": 8},
+    {"WARPS": 4, "NTILE": 1, "VEC": 1, "STAGES": 16, "DEPTH": 8},
+    {"WARPS": 4, "NTILE": 2, "VEC": 1, "STAGES": 8, "DEPTH": 8},
+    {"WARPS": 16, "NTILE": 1, "VEC": 1, "STAGES": 4, "DEPTH": 8},
+    {"WARPS": 4, "NTILE": 1, "VEC": 2, "STAGES": 8, "DEPTH": 8},
+]
+
+
+def rotating_weights(n: int, k: int, min_total: int = 256 << 20) -> list:
+    """Enough copies of an (n, k) fp16 matrix that cycling through them defeats the L2."""
+    copies = max(3, -(-min_total // (n * k * 2)))
+    return [(cp.random.standard_normal((n, k), dtype=cp.float32) * 0.02).astype(cp.float16) for _ in range(copies)]
+
+
+def gemv_sweep(shape: dict, batches: list[int]) -> list[str]:
+    """Each SWEEP config of the skinny GEMM against cuBLAS on a shape's matrices: checked
+    against cuBLAS, then timed; the total is one decode step's matrix products."""
+    from kernels_cuda.gemm import gemm
+    from kernels_cuda.gemv import gemv
+    h, i = shape["hidden_size"], shape["intermediate_size"]
+    q, kv, v = shape["num_heads"] * shape["head_dim"], shape["num_kv_heads"] * shape["head_dim"], shape["vocab_size"]
+    layers = shape["num_layers"]
+    mats = {"qkv": (q + 2 * kv, h, layers), "o": (h, q, layers), "gate_up": (2 * i, h, layers),
+            "down": (h, i, layers), "lm_head": (v, h, 1)}
+    rows = []
+    for b in batches:
+        totals: dict[str, float] = {}
+        per: dict[str, list[str]] = {}
+        for name, (n, k, count) in mats.items():
+            ws = rotating_weights(n, k)
+            x = cp.random.standard_normal((b, k), dtype=cp.float32).astype(cp.float16)
+            out = cp.empty((b, n), cp.float32)
+            ref = cp.empty((b, n), cp.float32)
+            gemm(x, ws[0], ref)
+            state = {"j": 0}
+
+            def timed(fn):
+                def go():
+                    state["j"] = (state["j"] + 1) % len(ws)
+                    fn(x, ws[state["j"]], out)
+                return time_gpu(go)
+            candidates = [("cublas", lambda x_, w_, o_: gemm(x_, w_, o_))]
+            for c in SWEEP:
+                candidates.append((",".join(f"{key[0]}{val}" for key, val in c.items()),
+                                   lambda x_, w_, o_, c=c: gemv(x_, w_, o_, config=c)))
+            for label, fn in candidates:
+                fn(x, ws[0], out)
+                err = float(cp.abs(out - ref).max() / (cp.abs(ref).max() + 1e-9))
+                t = timed(fn)
+                totals[label] = totals.get(label, 0.0) + count * t
+                per.setdefault(label, []).append(f"{name} {t * 1e3:6.1f}us {n * k * 2 / t / 1e6:5.0f}GB/s"
+                                                 + (f" ERR {err:.1e}" if err > 1e-2 else ""))
+            del ws
+        step_bytes = sum(n * k * 2 * count for n, k, count in mats.values())
+        for label, total in sorted(totals.items(), key=lambda kv_: kv_[1]):
+            rows.append(f"B={b:<3d} {label:28s} step matmuls {total:7.3f} ms {step_bytes / total / 1e6:5.0f} GB/s | "
+                        + "; ".join(per[label]))
+    return rows
+
+
+def attention_table(shape: dict, lengths: list[int]) -> list[str]:
+    """Prefill attention alone: one causal sequence of each length, every head of one layer."""
+    from kernels_cuda.flash_prefill import flash_prefill, tiles
+    H, KVH, D = shape["num_heads"], shape["num_kv_heads"], shape["head_dim"]
+    rows = []
+    for L in lengths:
+        q = (cp.random.standard_normal((L, H, D), dtype=cp.float32)).astype(cp.float16)
+        k = (cp.random.standard_normal((L, KVH, D), dtype=cp.float32)).astype(cp.float16)
+        v = (cp.random.standard_normal((L, KVH, D), dtype=cp.float32)).astype(cp.float16)
+        out = cp.empty_like(q)
+        q_lens = cp.asarray([L], dtype=cp.int32)
+        tile_seq, tile_q0 = (cp.asarray(a) for a in tiles(cp.asnumpy(q_lens)))
+        zero = cp.zeros(1, cp.int32)
+        kp, vp = cp.asarray([k.data.ptr], dtype=cp.int64), cp.asarray([v.data.ptr], dtype=cp.int64)
+        ms = time_gpu(lambda: flash_prefill(q, tile_seq, tile_q0, zero, q_lens, q_lens, kp, vp, 0, KVH,
+                                            D ** -0.5, out), iters=20)
+        flops = 4 * (L * (L + 1) / 2) * H * D  # Q K^T and P V over the causal half
+        rows.append(f"prefill attention L={L:<5d} H={H} KVH={KVH} D={D}: {ms:7.3f} ms {flops / ms / 1e9:6.1f} TFLOP/s")
+    return rows
+
+
 def decode_table(shape_name: str, batches: list[int], context: int, pdl: bool | None = None) -> list[str]:
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.loader import load_model
@@ -110,10 +195,18 @@ def main() -> None:
     ap.add_argument("--batch", default="1,8,64")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--skip-matmul", action="store_true")
+    ap.add_argument("--gemv-sweep", action="store_true", help="compare gemv.cu shape constants and stop")
+    ap.add_argument("--attention", default="", help="prefill attention alone at these lengths, e.g. 2048,8192")
     args = ap.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
     from engine.loader.random_model import SHAPES
     lines = [f"copy bandwidth: {copy_bandwidth():.0f} GB/s (read + write)"]
+    lengths = [int(x) for x in args.attention.split(",")] if args.attention else []
+    if lengths:
+        lines += attention_table(SHAPES[args.shape], lengths)
+    if args.gemv_sweep:
+        print("\n".join(lines + gemv_sweep(SHAPES[args.shape], batches)))
+        return
     if not args.skip_matmul:
         lines += matmul_table(SHAPES[args.shape], sorted(set(batches + [1, 2, 4, 8])))
     lines += decode_table(args.shape, batches, args.context, pdl=False)

@@ -13,17 +13,21 @@
 #endif
 
 #if USE_BF16
+#define MMA_TYPE "bf16"
 typedef __nv_bfloat16 scalar_t;
 typedef __nv_bfloat162 scalar2_t;
 __device__ __forceinline__ float to_float(scalar_t x) { return __bfloat162float(x); }
 __device__ __forceinline__ scalar_t from_float(float x) { return __float2bfloat16(x); }
 __device__ __forceinline__ float2 to_float2(scalar2_t x) { return __bfloat1622float2(x); }
+__device__ __forceinline__ scalar2_t from_float2(float lo, float hi) { return __floats2bfloat162_rn(lo, hi); }
 #else
+#define MMA_TYPE "f16"
 typedef __half scalar_t;
 typedef __half2 scalar2_t;
 __device__ __forceinline__ float to_float(scalar_t x) { return __half2float(x); }
 __device__ __forceinline__ scalar_t from_float(float x) { return __float2half(x); }
 __device__ __forceinline__ float2 to_float2(scalar2_t x) { return __half22float2(x); }
+__device__ __forceinline__ scalar2_t from_float2(float lo, float hi) { return __floats2half2_rn(lo, hi); }
 #endif
 
 // Programmatic dependent launch (Hopper): a kernel launched with the programmatic
@@ -91,4 +95,59 @@ __device__ __forceinline__ float block_max(float v, float *scratch) {
     __syncthreads();
     v = lane < warps ? scratch[lane] : NEG_INF;
     return warp_max(v);
+}
+
+// ------------------------------------------------------------------ tensor cores (sm_80+)
+// Inline PTX rather than <mma.h>: NVRTC needs no toolkit headers for these.
+
+// c (16x8 float32) += a (16x16, row-major fragments) * b (16x8, col-major fragments).
+// Fragments of lane l = 4g + q: a0 (row g, k 2q..2q+1), a1 (row g+8, same k), a2 (row g,
+// k 2q+8..), a3 (row g+8, k 2q+8..); b0 (k 2q..2q+1, col g), b1 (k 2q+8.., col g);
+// c0 c1 (row g, cols 2q, 2q+1), c2 c3 (row g+8, same cols). Lower k in the lower 16 bits.
+__device__ __forceinline__ void mma_16816(float c[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                          unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE ".f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+    scalar2_t v = from_float2(lo, hi);
+    return *reinterpret_cast<unsigned *>(&v);
+}
+
+__device__ __forceinline__ unsigned smem_addr(const void *p) {
+    unsigned a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// Four 8x8 16-bit matrices from shared memory; lanes 8i..8i+7 give the row addresses of
+// matrix i. Lane 4g + q receives (row g, cols 2q, 2q+1) of each, or with .trans the
+// transposed pair (rows 2q, 2q+1, col g).
+__device__ __forceinline__ void ldsm_x4(unsigned r[4], const void *p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(unsigned r[4], const void *p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+
+// 16 bytes global -> shared without passing through registers; zero-filled when !valid
+// (src must still be a mapped address).
+__device__ __forceinline__ void cp_async16(void *dst, const void *src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(valid ? 16 : 0));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }

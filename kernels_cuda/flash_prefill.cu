@@ -1,14 +1,19 @@
-// Causal flash attention for a ragged batch of prefill chunks (and decode rows,
-// which are chunks of one query), reading K/V from the cache: a chunk attends to its
-// sequence's cached prefix and to itself. Tensor cores through WMMA (16x16x16, 16-bit
-// in, float32 accumulate); online softmax per row in shared memory.
+// Causal flash attention for a ragged batch of prefill chunks, reading K/V from the
+// cache: a chunk attends to its sequence's cached prefix and to itself.
 //
-// grid (num_tiles, num_heads), block 128 (4 warps x 16 query rows). A tile is 64
-// queries of one sequence: tile_seq / tile_q0 map tiles to (sequence, first query).
+// FlashAttention-2 layout on mma.sync (m16n8k16, 16-bit in, float32 accumulate): a block
+// of 4 warps takes 64 queries of one head, each warp 16 of them. A warp keeps its Q
+// fragments, its 16 x 64 score tile, the running max / sum and its 16 x HEAD_DIM output in
+// registers; K/V tiles of 64 keys stream through shared memory, double-buffered with
+// cp.async so the next tile loads while this one is used. Scores never leave registers:
+// the score accumulators of two 8-key tiles are exactly the A fragment of P for the P V
+// product. Tiles fully visible to a warp skip the mask; tiles it cannot see are skipped.
+//
+// grid (num_tiles, num_heads), block 128. A tile is 64 queries of one sequence:
+// tile_seq / tile_q0 map tiles to (sequence, first query); the grid runs them last first,
+// so the longest (latest) tiles of a sequence start early.
 // -DHEAD_DIM (multiple of 16), dynamic shared memory: flash_prefill_smem_bytes().
 #include "common.cuh"
-#include <mma.h>
-using namespace nvcuda;
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 128
@@ -16,38 +21,31 @@ using namespace nvcuda;
 #define BLOCK_M 64
 #define BLOCK_N 64
 #define THREADS 128
-#define LDS (HEAD_DIM + 8)   // Q/K/V shared row stride (elements): 16-byte rows, fewer bank conflicts
-#define LDP (BLOCK_N + 8)    // P row stride (elements)
-#define LDF (BLOCK_N + 4)    // S row stride (floats)
-#define LDO (HEAD_DIM + 4)   // O row stride (floats)
+#define LDS (HEAD_DIM + 8)  // shared row stride (elements): 16-byte rows land on distinct banks for ldmatrix
 
-typedef wmma::fragment<wmma::matrix_a, 16, 16, 16, scalar_t, wmma::row_major> frag_a;
-typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, scalar_t, wmma::col_major> frag_bt;
-typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, scalar_t, wmma::row_major> frag_b;
-typedef wmma::fragment<wmma::accumulator, 16, 16, 16, float> frag_c;
+constexpr int KSTEPS = HEAD_DIM / 16;  // k steps of Q K^T
+constexpr int STILES = BLOCK_N / 8;    // 8-key tiles of a warp's scores
+constexpr int OTILES = HEAD_DIM / 8;   // 8-wide column tiles of a warp's output
+constexpr int VEC = HEAD_DIM / 8;      // 16-byte groups per row
 
 extern "C" __global__ void __launch_bounds__(THREADS) flash_prefill(
-    const scalar_t *__restrict__ q,           // (T, H, HEAD_DIM)
-    scalar_t *__restrict__ out,               // (T, H, HEAD_DIM)
-    const int *__restrict__ tile_seq,         // (tiles)
-    const int *__restrict__ tile_q0,          // (tiles)
-    const int *__restrict__ seq_q_start,      // (S) index of the sequence's first query token
-    const int *__restrict__ seq_q_len,        // (S)
-    const int *__restrict__ seq_kv_len,       // (S) keys in the cache including this chunk
-    const long long *__restrict__ k_ptrs,     // (S)
-    const long long *__restrict__ v_ptrs,     // (S)
+    const scalar_t *__restrict__ q,        // (T, H, HEAD_DIM)
+    scalar_t *__restrict__ out,            // (T, H, HEAD_DIM)
+    const int *__restrict__ tile_seq,      // (tiles)
+    const int *__restrict__ tile_q0,       // (tiles)
+    const int *__restrict__ seq_q_start,   // (S) index of the sequence's first query token
+    const int *__restrict__ seq_q_len,     // (S)
+    const int *__restrict__ seq_kv_len,    // (S) keys in the cache including this chunk
+    const long long *__restrict__ k_ptrs,  // (S)
+    const long long *__restrict__ v_ptrs,  // (S)
     long long layer_offset, int num_heads, int num_kv_heads, int window, float scale) {
     PDL_ENTER();
     extern __shared__ __align__(128) unsigned char smem[];
-    scalar_t *sQ = reinterpret_cast<scalar_t *>(smem);
-    scalar_t *sK = sQ + BLOCK_M * LDS;
-    scalar_t *sV = sK + BLOCK_N * LDS;
-    scalar_t *sP = sV + BLOCK_N * LDS;
-    float *sS = reinterpret_cast<float *>(sP + BLOCK_M * LDP);
-    float *sO = sS + BLOCK_M * LDF;
-    float *sRow = sO + BLOCK_M * LDO;  // per row: running max, running sum
+    scalar_t *sQ = reinterpret_cast<scalar_t *>(smem);  // BLOCK_M x LDS
+    scalar_t *sK = sQ + BLOCK_M * LDS;                   // 2 x BLOCK_N x LDS
+    scalar_t *sV = sK + 2 * BLOCK_N * LDS;               // 2 x BLOCK_N x LDS
 
-    const int tile = blockIdx.x, h = blockIdx.y;
+    const int tile = gridDim.x - 1 - blockIdx.x, h = blockIdx.y;
     const int kvh = h / (num_heads / num_kv_heads);
     const int s = tile_seq[tile], q0 = tile_q0[tile];
     const int q_len = seq_q_len[s], kv_len = seq_kv_len[s];
@@ -55,121 +53,149 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_prefill(
     const int rows = min(BLOCK_M, q_len - q0);
     const long long qbase = (long long)seq_q_start[s] + q0;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    constexpr int VEC = HEAD_DIM / 8;
+    const int g = lane >> 2, qd = lane & 3;
 
-    for (int i = tid; i < BLOCK_M * VEC; i += THREADS) {
-        const int r = i / VEC, c = (i % VEC) * 8;
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (r < rows) v = *reinterpret_cast<const uint4 *>(q + ((qbase + r) * num_heads + h) * HEAD_DIM + c);
-        *reinterpret_cast<uint4 *>(sQ + r * LDS + c) = v;
-    }
-    for (int i = tid; i < BLOCK_M * HEAD_DIM; i += THREADS) sO[(i / HEAD_DIM) * LDO + i % HEAD_DIM] = 0.0f;
-    if (tid < BLOCK_M) {
-        sRow[2 * tid] = NEG_INF;
-        sRow[2 * tid + 1] = 0.0f;
-    }
-
-    const int q_first = start_pos + q0, q_last = start_pos + q0 + rows - 1;
+    const int q_first = start_pos + q0, q_last = q_first + rows - 1;
     const int k_hi = q_last + 1;  // causal: no key past the last query
     const int k_lo = window > 0 ? max(0, q_first - window + 1) : 0;
+    const int n_begin = (k_lo / BLOCK_N) * BLOCK_N;
+    const int n_tiles = (k_hi - n_begin + BLOCK_N - 1) / BLOCK_N;
     const long long kv_stride = (long long)num_kv_heads * HEAD_DIM;
     const scalar_t *kb = reinterpret_cast<const scalar_t *>(k_ptrs[s]) + layer_offset + kvh * HEAD_DIM;
     const scalar_t *vb = reinterpret_cast<const scalar_t *>(v_ptrs[s]) + layer_offset + kvh * HEAD_DIM;
 
-    for (int n0 = (k_lo / BLOCK_N) * BLOCK_N; n0 < k_hi; n0 += BLOCK_N) {
-        __syncthreads();  // everyone is done with the previous K/V tile
+    for (int i = tid; i < BLOCK_M * VEC; i += THREADS) {
+        const int r = i / VEC, c = (i % VEC) * 8;
+        const bool ok = r < rows;
+        cp_async16(sQ + r * LDS + c, q + ((qbase + (ok ? r : 0)) * num_heads + h) * HEAD_DIM + c, ok);
+    }
+    cp_async_commit();
+    auto load_kv = [&](int t) {
+        const int n0 = n_begin + t * BLOCK_N;
+        scalar_t *dk = sK + (t & 1) * BLOCK_N * LDS, *dv = sV + (t & 1) * BLOCK_N * LDS;
         for (int i = tid; i < BLOCK_N * VEC; i += THREADS) {
             const int r = i / VEC, c = (i % VEC) * 8, key = n0 + r;
-            uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
-            if (key < k_hi) {
-                kv = *reinterpret_cast<const uint4 *>(kb + key * kv_stride + c);
-                vv = *reinterpret_cast<const uint4 *>(vb + key * kv_stride + c);
-            }
-            *reinterpret_cast<uint4 *>(sK + r * LDS + c) = kv;
-            *reinterpret_cast<uint4 *>(sV + r * LDS + c) = vv;
+            const bool ok = key < k_hi;  // keys past the chunk are zeros (never NaN times 0 in P V)
+            const long long off = (long long)(ok ? key : 0) * kv_stride + c;
+            cp_async16(dk + r * LDS + c, kb + off, ok);
+            cp_async16(dv + r * LDS + c, vb + off, ok);
         }
-        __syncthreads();
+    };
+    load_kv(0);
+    cp_async_commit();
+    cp_async_wait<1>();  // Q has landed
+    __syncthreads();
 
-        // S (this warp's 16 rows x 64 keys) = Q K^T
-        {
-            frag_c acc[BLOCK_N / 16];
+    unsigned qf[KSTEPS][4];
 #pragma unroll
-            for (int j = 0; j < BLOCK_N / 16; j++) wmma::fill_fragment(acc[j], 0.0f);
+    for (int kk = 0; kk < KSTEPS; kk++) ldsm_x4(qf[kk], sQ + (warp * 16 + (lane & 15)) * LDS + kk * 16 + (lane >> 4) * 8);
+
+    float o[OTILES][4];
 #pragma unroll
-            for (int kk = 0; kk < HEAD_DIM; kk += 16) {
-                frag_a a;
-                wmma::load_matrix_sync(a, sQ + warp * 16 * LDS + kk, LDS);
+    for (int j = 0; j < OTILES; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+    float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.0f, 0.0f};  // rows g and g + 8, log2 domain
+    const float scale2 = scale * 1.4426950408889634f;
+    const int pos0 = q_first + warp * 16 + g;  // query positions of this lane's two rows
+    const int wq_lo = q_first + warp * 16, wq_hi = wq_lo + 15;
+
+    for (int t = 0; t < n_tiles; t++) {
+        if (t + 1 < n_tiles) load_kv(t + 1);
+        cp_async_commit();
+        cp_async_wait<1>();  // tile t has landed
+        __syncthreads();
+        const int n0 = n_begin + t * BLOCK_N;
+        const scalar_t *cK = sK + (t & 1) * BLOCK_N * LDS, *cV = sV + (t & 1) * BLOCK_N * LDS;
+        const bool visible = n0 <= wq_hi && (window <= 0 || n0 + BLOCK_N - 1 > wq_lo - window);
+        if (visible && wq_lo <= q_last) {
+            float sc[STILES][4];
 #pragma unroll
-                for (int j = 0; j < BLOCK_N / 16; j++) {
-                    frag_bt b;
-                    wmma::load_matrix_sync(b, sK + j * 16 * LDS + kk, LDS);
-                    wmma::mma_sync(acc[j], a, b, acc[j]);
+            for (int j = 0; j < STILES; j++) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < KSTEPS; kk++) {
+#pragma unroll
+                for (int j = 0; j < STILES; j += 2) {
+                    unsigned b[4];
+                    ldsm_x4(b, cK + (j * 8 + (lane & 7) + ((lane >> 4) << 3)) * LDS + kk * 16 + ((lane >> 3) & 1) * 8);
+                    mma_16816(sc[j], qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], b[0], b[1]);
+                    mma_16816(sc[j + 1], qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], b[2], b[3]);
+                }
+            }
+            const bool full = n0 + BLOCK_N - 1 <= wq_lo && n0 + BLOCK_N <= k_hi &&
+                              (window <= 0 || n0 > wq_hi - window);
+            if (!full) {
+#pragma unroll
+                for (int j = 0; j < STILES; j++) {
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        const int key = n0 + j * 8 + 2 * qd + (i & 1), pos = pos0 + (i >> 1) * 8;
+                        const bool ok = key <= pos && key < k_hi && (window <= 0 || key > pos - window);
+                        if (!ok) sc[j][i] = NEG_INF;
+                    }
+                }
+            }
+            float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+            for (int j = 0; j < STILES; j++) {
+                mx[0] = fmaxf(mx[0], fmaxf(sc[j][0], sc[j][1]));
+                mx[1] = fmaxf(mx[1], fmaxf(sc[j][2], sc[j][3]));
+            }
+            float base[2], corr[2];
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+                const float m_new = fmaxf(m_run[r], mx[r] * scale2);
+                base[r] = m_new == NEG_INF ? 0.0f : m_new;  // a row that sees nothing yet stays at zero
+                corr[r] = exp2f(m_run[r] - base[r]);
+                m_run[r] = m_new;
+            }
+            float sum[2] = {0.0f, 0.0f};
+#pragma unroll
+            for (int j = 0; j < STILES; j++) {
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    sc[j][i] = exp2f(fmaf(sc[j][i], scale2, -base[i >> 1]));
+                    sum[i >> 1] += sc[j][i];
                 }
             }
 #pragma unroll
-            for (int j = 0; j < BLOCK_N / 16; j++)
-                wmma::store_matrix_sync(sS + warp * 16 * LDF + j * 16, acc[j], LDF, wmma::mem_row_major);
-        }
-        __syncwarp();
-
-        // online softmax: lanes 2r and 2r+1 share row r of the warp, 32 keys each
-        {
-            const int r = warp * 16 + (lane >> 1), c0 = (lane & 1) * 32;
-            const int q_pos = start_pos + q0 + r;
-            float *srow = sS + r * LDF;
-            float mx = NEG_INF;
-            for (int c = 0; c < 32; c++) {
-                const int key = n0 + c0 + c;
-                const bool ok = key < k_hi && key <= q_pos && (window <= 0 || key > q_pos - window);
-                const float v = ok ? srow[c0 + c] * scale : NEG_INF;
-                srow[c0 + c] = v;
-                mx = fmaxf(mx, v);
-            }
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            const float m_old = sRow[2 * r], l_old = sRow[2 * r + 1];
-            const float m_new = fmaxf(m_old, mx);
-            const bool none = m_new == NEG_INF;  // nothing visible yet: keep zeros, avoid inf - inf
-            const float corr = none ? 1.0f : __expf(m_old - m_new);
-            float sum = 0.0f;
-            for (int c = 0; c < 32; c++) {
-                const float p = none ? 0.0f : __expf(srow[c0 + c] - m_new);
-                sum += p;
-                sP[r * LDP + c0 + c] = from_float(p);
-            }
-            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-            const int d0 = (lane & 1) * (HEAD_DIM / 2);
-            for (int d = d0; d < d0 + HEAD_DIM / 2; d++) sO[r * LDO + d] *= corr;
-            __syncwarp();
-            if ((lane & 1) == 0) {
-                sRow[2 * r] = m_new;
-                sRow[2 * r + 1] = l_old * corr + sum;
-            }
-        }
-        __syncwarp();
-
-        // O (16 rows x HEAD_DIM) += P V
+            for (int r = 0; r < 2; r++) l_run[r] = l_run[r] * corr[r] + sum[r];  // this lane's columns only
 #pragma unroll
-        for (int j = 0; j < HEAD_DIM / 16; j++) {
-            frag_c o;
-            wmma::load_matrix_sync(o, sO + warp * 16 * LDO + j * 16, LDO, wmma::mem_row_major);
-#pragma unroll
-            for (int kk = 0; kk < BLOCK_N; kk += 16) {
-                frag_a a;
-                frag_b b;
-                wmma::load_matrix_sync(a, sP + warp * 16 * LDP + kk, LDP);
-                wmma::load_matrix_sync(b, sV + kk * LDS + j * 16, LDS);
-                wmma::mma_sync(o, a, b, o);
+            for (int j = 0; j < OTILES; j++) {
+                o[j][0] *= corr[0];
+                o[j][1] *= corr[0];
+                o[j][2] *= corr[1];
+                o[j][3] *= corr[1];
             }
-            wmma::store_matrix_sync(sO + warp * 16 * LDO + j * 16, o, LDO, wmma::mem_row_major);
+#pragma unroll
+            for (int kk = 0; kk < BLOCK_N / 16; kk++) {
+                const unsigned a0 = pack2(sc[2 * kk][0], sc[2 * kk][1]), a1 = pack2(sc[2 * kk][2], sc[2 * kk][3]);
+                const unsigned a2 = pack2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+                const unsigned a3 = pack2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+#pragma unroll
+                for (int j = 0; j < OTILES; j += 2) {
+                    unsigned b[4];
+                    ldsm_x4_trans(b, cV + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + j * 8 + (lane >> 4) * 8);
+                    mma_16816(o[j], a0, a1, a2, a3, b[0], b[1]);
+                    mma_16816(o[j + 1], a0, a1, a2, a3, b[2], b[3]);
+                }
+            }
         }
-        __syncwarp();
+        __syncthreads();  // everyone is done with buffer t & 1 before tile t + 2 overwrites it
     }
 
-    for (int i = lane; i < 16 * HEAD_DIM; i += 32) {
-        const int r = warp * 16 + i / HEAD_DIM, d = i % HEAD_DIM;
-        if (r < rows) {
-            const float l = sRow[2 * r + 1];
-            out[((qbase + r) * num_heads + h) * HEAD_DIM + d] = from_float(l > 0.0f ? sO[r * LDO + d] / l : 0.0f);
-        }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
+        l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
+    }
+    const float inv0 = l_run[0] > 0.0f ? 1.0f / l_run[0] : 0.0f, inv1 = l_run[1] > 0.0f ? 1.0f / l_run[1] : 0.0f;
+    const int r0 = warp * 16 + g;
+    scalar_t *o0 = out + ((qbase + r0) * num_heads + h) * HEAD_DIM + 2 * qd;
+    scalar_t *o1 = o0 + 8LL * num_heads * HEAD_DIM;
+#pragma unroll
+    for (int j = 0; j < OTILES; j++) {
+        if (r0 < rows) *reinterpret_cast<unsigned *>(o0 + j * 8) = pack2(o[j][0] * inv0, o[j][1] * inv0);
+        if (r0 + 8 < rows) *reinterpret_cast<unsigned *>(o1 + j * 8) = pack2(o[j][2] * inv1, o[j][3] * inv1);
     }
 }

@@ -13,8 +13,8 @@ THREADS = 128
 
 
 def smem_bytes(head_dim: int) -> int:
-    lds, ldp, ldf, ldo = head_dim + 8, BLOCK_N + 8, BLOCK_N + 4, head_dim + 4
-    return 2 * (BLOCK_M * lds + 2 * BLOCK_N * lds + BLOCK_M * ldp) + 4 * (BLOCK_M * ldf + BLOCK_M * ldo + 2 * BLOCK_M)
+    """Q tile plus double-buffered K and V tiles, rows padded by 8 elements."""
+    return 2 * (BLOCK_M + 4 * BLOCK_N) * (head_dim + 8)
 
 
 def tiles(q_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -140,6 +140,23 @@ def test_gemv_rows_do_not_depend_on_the_batch():
     np.testing.assert_array_equal(cp.asnumpy(gemv(x[:8], w)), together[:8])  # the 8-row kernel too
 
 
+@pytest.mark.parametrize("config", [
+    {"WARPS": 8, "NTILE": 1, "VEC": 1, "STAGES": 0, "DEPTH": 8},  # register loads
+    {"WARPS": 8, "NTILE": 1, "VEC": 1, "STAGES": 8, "DEPTH": 8},  # cp.async ring
+    {"WARPS": 4, "NTILE": 2, "VEC": 2, "STAGES": 3, "DEPTH": 8},
+], ids=["registers", "ring", "ring-wide"])
+@pytest.mark.parametrize("B", [1, 6, 13])
+def test_gemv_configs(config, B):
+    """Every pipeline of the skinny GEMM, on K with a partial last chunk and N past a tile."""
+    from kernels_cuda.gemv import gemv
+    for K in (520, 4104):
+        x = rng.standard_normal((B, K)).astype(np.float32)
+        w = rng.standard_normal((77, K)).astype(np.float32)
+        out = gemv(to_dev(x, "float16"), to_dev(w, "float16"), config=config)
+        ref = rounded(x, "float16").astype(np.float64) @ rounded(w, "float16").T.astype(np.float64)
+        np.testing.assert_allclose(cp.asnumpy(out), ref, rtol=1e-4, atol=2e-3 * np.sqrt(K / 264))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gemm(dtype):
     from kernels_cuda.gemm import gemm
@@ -351,3 +368,36 @@ def test_token_logprobs():
         order = np.lexsort((np.arange(V), -logits[r]))[:lp_n[r]]
         np.testing.assert_array_equal(got_ids[r, :lp_n[r]], order)
         np.testing.assert_allclose(got_top[r, :lp_n[r]], ref[r, order], atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [0, 200])
+def test_flash_prefill_long_chunk(dtype, window):
+    """Many key tiles (the double-buffered stream), a diagonal that cuts tiles, GQA 4."""
+    from kernels_cuda.flash_prefill import flash_prefill, tiles
+    H, KVH, D = 8, 2, 128
+    q_lens = np.array([700, 3], np.int32)
+    start_pos = np.array([301, 40], np.int32)
+    kv_lens = start_pos + q_lens
+    region_starts = np.array([0, 1100])
+    layers, layer, slots = 1, 0, 1200
+    kc, vc, dk, dv = make_cache(dtype, layers, slots, KVH, D)
+    T = int(q_lens.sum())
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    q_start = np.array([0, q_lens[0]], np.int32)
+    slot_bytes = KVH * D * 2
+    tile_seq, tile_q0 = tiles(q_lens)
+    out = cp.zeros((T, H, D), dk.dtype)
+    flash_prefill(to_dev(q, dtype), cp.asarray(tile_seq), cp.asarray(tile_q0), cp.asarray(q_start),
+                  cp.asarray(q_lens), cp.asarray(kv_lens.astype(np.int32)),
+                  cp.asarray(dk.data.ptr + region_starts * slot_bytes, dtype=cp.int64),
+                  cp.asarray(dv.data.ptr + region_starts * slot_bytes, dtype=cp.int64),
+                  0, KVH, 1 / np.sqrt(D), out, window=window)
+    got = from_dev(out)
+    kr, vr, qr = rounded(kc, dtype), rounded(vc, dtype), rounded(q, dtype)
+    for s in range(len(q_lens)):
+        sl = slice(q_start[s], q_start[s] + q_lens[s])
+        r0 = region_starts[s]
+        ref = ref_attention(qr[sl], kr[layer, r0:r0 + kv_lens[s]], vr[layer, r0:r0 + kv_lens[s]],
+                            np.arange(start_pos[s], kv_lens[s]), window)
+        assert rel(got[sl], ref) < tol(dtype), (s, rel(got[sl], ref))

@@ -32,6 +32,14 @@ print(cupy.cuda.runtime.getDeviceProperties(0)['name'])" >> "$OUT/env.log" 2>&1
             | grep -E "error|Compiling entry|registers|spill" ; done > "$OUT/ptxas.log" 2>&1
     run kernels timeout 420 python3 -m pytest -q -rf tests/test_kernels_gpu.py
     run runner_tiny timeout 170 python3 -m pytest -q -rf -s tests/test_cuda_runner.py -k "tiny or long_context"
+    if [ "${SWEEP:-0}" = 1 ]; then  # skinny-GEMM configurations and prefill attention alone, then TTFT
+        run sweep_8b timeout 300 python3 bench/kernels.py --shape llama3-8b --batch 1,8,16 --gemv-sweep \
+            --attention 512,2048,8192
+        run sweep_smollm2 timeout 120 python3 bench/kernels.py --shape smollm2-135m --batch 1,8 --gemv-sweep
+        run prefill_8b timeout 200 python3 bench/prefill.py --model random:llama3-8b --json "$OUT/prefill_8b.json"
+        grep -hE "attention|B=1 |B=8 |B=16 " "$OUT"/sweep_*.log | cut -c1-110
+        tail -n 9 "$OUT/prefill_8b.log"
+    fi
 else
     model=$store/cache/models/SmolLM2-135M-Instruct.Q4_1.gguf
     if [ ! -f $store/smollm2.part00 ]; then echo "part 1 missing: the machine went cold; run stage 1 again"; exit 3; fi

@@ -594,7 +594,11 @@ class CudaRunner:
         tok_pos = np.concatenate([np.arange(r.start_pos, r.kv_len, dtype=np.int32) for r in rows])
         tok_k = np.repeat(seq_k, q_lens)
         tok_v = np.repeat(seq_v, q_lens)
-        tile_seq, tile_q0 = tiles(q_lens)
+        # The leading one-token rows (the decodes the scheduler puts first) attend through
+        # split-KV decoding: a 64-query prefill tile would spend 63/64 of its work on padding.
+        nd = int(np.argmin(q_lens == 1)) if (q_lens != 1).any() else len(rows)
+        nd = min(nd, self.rows)
+        tile_seq, tile_q0 = tiles(q_lens[nd:])
         logit_rows = [i for i, r in enumerate(rows) if r.sample]
         last_tok = (q_start + q_lens - 1)[logit_rows].astype(np.int64)
 
@@ -605,13 +609,20 @@ class CudaRunner:
                 ("kv_len", np.array([r.kv_len for r in rows], np.int32)), ("seq_k", seq_k), ("seq_v", seq_v))}
             embedding(dev["tok_ids"], w.embed_tokens, b.embed_out[:T])
 
+            window = cfg.sliding_window or 0
+
             def attention(i: int, layer) -> None:
                 offset = i * self._layer_elems
                 rope_kv_write(b.qkv_out[:T], dev["tok_pos"], self.rope_cos, self.rope_sin, dev["tok_k"], dev["tok_v"],
                               offset, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, b.q_rot[:T], bias=layer.qkv_bias)
-                flash_prefill(b.q_rot[:T], dev["tile_seq"], dev["tile_q0"], dev["q_start"], dev["q_len"],
-                              dev["kv_len"], dev["seq_k"], dev["seq_v"], offset, cfg.num_kv_heads,
-                              cfg.softmax_scale, b.attn_out[:T], cfg.sliding_window or 0)
+                if nd:
+                    flash_decode(b.q_rot[:nd], dev["seq_k"][:nd], dev["seq_v"][:nd], dev["kv_len"][:nd], offset,
+                                 cfg.num_kv_heads, b.part_o[:nd], b.part_ml[:nd], b.attn_out[:nd],
+                                 cfg.softmax_scale, self.chunk, window)
+                if nd < len(rows):
+                    flash_prefill(b.q_rot[:T], dev["tile_seq"], dev["tile_q0"], dev["q_start"][nd:],
+                                  dev["q_len"][nd:], dev["kv_len"][nd:], dev["seq_k"][nd:], dev["seq_v"][nd:], offset,
+                                  cfg.num_kv_heads, cfg.softmax_scale, b.attn_out[:T], window)
 
             self._layers(T, attention)
             add_rms_norm(b.embed_out[:T], b.down_out[:T], w.norm, cfg.rms_norm_eps, out=b.norm_out[:T])
