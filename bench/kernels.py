@@ -68,16 +68,8 @@ def matmul_table(shape: dict, batches: list[int]) -> list[str]:
     return rows
 
 
-SWEEP = [  # gemv.cu shape constants to compare (static shared memory stays under 48 KB)
-    {"WARPS": 8, "NTILE": 1, "VEC": 1, "STAGES": 0, "DEPTH": 8},
-    {"WARPS": 8, "NTILE": 1, "VEC": 1, "STAGES": 4, "DEPTH": 8},
-    {"WARPS": 8, "NTILE": 1, "VEC": 1, "STAGES": 8, "DEPTH": 8},
-    {"WARPS": 8, "NTILE": 1, "VEC": 2, "STAGES": 4, "DEPTH": 8},
-    {"WARPS": 4, "NTILE": 1, "VEC": 1, "STAGES": 16, "DEPTH": 8},
-    {"WARPS": 4, "NTILE": 2, "VEC": 1, "STAGES": 8, "DEPTH": 8},
-    {"WARPS": 16, "NTILE": 1, "VEC": 1, "STAGES": 4, "DEPTH": 8},
-    {"WARPS": 4, "NTILE": 1, "VEC": 2, "STAGES": 8, "DEPTH": 8},
-]
+SWEEP = [{"WARPS": 8, "DEPTH": 8}, {"WARPS": 8, "DEPTH": 4}, {"WARPS": 16, "DEPTH": 4}, {"WARPS": 4, "DEPTH": 8},
+         {"WARPS": 16, "DEPTH": 8}]  # gemv.cu shape constants to compare
 
 
 def rotating_weights(n: int, k: int, min_total: int = 256 << 20) -> list:
@@ -153,7 +145,12 @@ def attention_table(shape: dict, lengths: list[int]) -> list[str]:
     return rows
 
 
-def decode_table(shape_name: str, batches: list[int], context: int, pdl: bool | None = None) -> list[str]:
+def decode_table(shape_name: str, batches: list[int], context: int, pdl: bool | None = None,
+                 early: int = 1) -> list[str]:
+    """The decode graph alone vs a whole runner step; `pdl` launches with programmatic
+    dependencies, `early` compiles the kernels with -DPDL_EARLY (see common.cuh)."""
+    from kernels_cuda import _module
+    _module.PDL_EARLY = early
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.loader import load_model
     from engine.outputs import ScheduledSeq, SchedulerOutput
@@ -183,9 +180,11 @@ def decode_table(shape_name: str, batches: list[int], context: int, pdl: bool | 
             step.append((time.perf_counter() - t0) * 1e3)
         t_step = statistics.median(step)
         kv_bytes = B * context * cfg.kv_bytes_per_token(2)
-        rows.append(f"{shape_name} pdl={runner.pdl:d} B={B:<4d} ctx={context}: graph {t_graph:7.3f} ms "
+        rows.append(f"{shape_name} pdl={runner.pdl:d} early={early} B={B:<4d} ctx={context}: graph {t_graph:7.3f} ms "
                     f"({(weight_bytes + kv_bytes) / t_graph / 1e6:6.0f} GB/s of weights+KV), runner.execute "
                     f"{t_step:7.3f} ms -> {B / t_step * 1e3:9.1f} tok/s")
+    del runner
+    cp.get_default_memory_pool().free_all_blocks()
     return rows
 
 
@@ -210,6 +209,7 @@ def main() -> None:
     if not args.skip_matmul:
         lines += matmul_table(SHAPES[args.shape], sorted(set(batches + [1, 2, 4, 8])))
     lines += decode_table(args.shape, batches, args.context, pdl=False)
+    lines += decode_table(args.shape, batches, args.context, pdl=True, early=0)
     lines += decode_table(args.shape, batches, args.context, pdl=True)
     print("\n".join(lines))
 

@@ -42,7 +42,13 @@ def _toolkit_includes() -> list[str]:
     return _INCLUDES
 
 
+# Every module is compiled with -DPDL_EARLY=<this> (common.cuh): whether the short kernels
+# in front of a matrix product let it launch before they wait. bench/kernels.py compares.
+PDL_EARLY = 1
+
+
 def module(family: str, **defines: int) -> cp.RawModule:
+    defines.setdefault("PDL_EARLY", PDL_EARLY)
     key = (family, tuple(sorted(defines.items())))
     mod = _MODULES.get(key)
     if mod is None:

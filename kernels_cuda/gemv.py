@@ -8,10 +8,10 @@ import numpy as np
 from ._module import check, i32, launch, module, same_scalar, use_bf16
 
 MAX_ROWS = 16
-# gemv.cu's shape constants: warps per block, 8-feature tiles per block, 16-byte loads per
-# lane per chunk, and the depth of the weight pipeline (STAGES > 0: a cp.async ring in
-# shared memory; 0: DEPTH register loads per pass). Chosen by `bench/kernels.py --gemv-sweep`.
-CONFIG = {"WARPS": 8, "NTILE": 1, "VEC": 1, "STAGES": 8, "DEPTH": 8}
+# gemv.cu's shape constants (warps per block, chunks per pass), chosen with
+# `bench/kernels.py --gemv-sweep`.
+CONFIG = {"WARPS": 8, "DEPTH": 8}
+PREFETCH_BUDGET = 12 << 20  # bytes of a matrix asked into the L2 before the previous kernel ends
 
 
 def gemv(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray | None = None, pdl: bool = False,
@@ -35,8 +35,8 @@ def gemv(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray | None = None, pdl: bool 
         out = cp.empty((B, N), np.float32)
     check(out, "out", np.float32, (B, N))
     cfg = config or CONFIG
-    feats = 8 * cfg["NTILE"]
+    prefetch = min(2 * K, PREFETCH_BUDGET // N) // 16 * 16  # the first bytes of every row
     name = "gemv_8" if B <= 8 else "gemv_16"
     launch(module("gemv", USE_BF16=use_bf16(w), **cfg).get_function(name),
-           ((N + feats - 1) // feats,), (32 * cfg["WARPS"],), (x, w, out, i32(B), i32(N), i32(K)), pdl=pdl)
+           ((N + 7) // 8,), (32 * cfg["WARPS"],), (x, w, out, i32(B), i32(N), i32(K), i32(prefetch)), pdl=pdl)
     return out

@@ -32,12 +32,14 @@ print(cupy.cuda.runtime.getDeviceProperties(0)['name'])" >> "$OUT/env.log" 2>&1
             | grep -E "error|Compiling entry|registers|spill" ; done > "$OUT/ptxas.log" 2>&1
     run kernels timeout 420 python3 -m pytest -q -rf tests/test_kernels_gpu.py
     run runner_tiny timeout 170 python3 -m pytest -q -rf -s tests/test_cuda_runner.py -k "tiny or long_context"
-    if [ "${SWEEP:-0}" = 1 ]; then  # skinny-GEMM configurations and prefill attention alone, then TTFT
+    if [ "${SWEEP:-0}" = 1 ]; then  # skinny-GEMM shapes, prefill attention alone, decode graphs (PDL variants), TTFT
         run sweep_8b timeout 300 python3 bench/kernels.py --shape llama3-8b --batch 1,8,16 --gemv-sweep \
             --attention 512,2048,8192
-        run sweep_smollm2 timeout 120 python3 bench/kernels.py --shape smollm2-135m --batch 1,8 --gemv-sweep
+        run graph_8b timeout 300 python3 bench/kernels.py --shape llama3-8b --batch 1,8,16,64 --skip-matmul
+        run graph_smollm2 timeout 200 python3 bench/kernels.py --shape smollm2-135m --batch 1,8,64 --skip-matmul
         run prefill_8b timeout 200 python3 bench/prefill.py --model random:llama3-8b --json "$OUT/prefill_8b.json"
-        grep -hE "attention|B=1 |B=8 |B=16 " "$OUT"/sweep_*.log | cut -c1-110
+        grep -hE "attention|step matmuls" "$OUT"/sweep_8b.log | cut -c1-72
+        grep -h "graph" "$OUT"/graph_*.log | sed 's/ (.*execute/ execute/'
         tail -n 9 "$OUT/prefill_8b.log"
     fi
 else
