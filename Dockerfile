@@ -7,11 +7,11 @@
 ARG VARIANT=cuda
 
 FROM nvidia/cuda:13.0.1-runtime-ubuntu24.04 AS base-cuda
-# NVRTC compiles the kernels at start: it needs the CUDA headers (cuda_fp16.h, crt/mma.h),
+# NVRTC compiles the kernels at start: it needs the CUDA headers (cuda_fp16.h, cuda_bf16.h),
 # which the runtime image leaves out; gcc compiles the CPU kernels of the fallback runner.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv gcc libgomp1 curl ca-certificates \
-        cuda-cudart-dev-13-0 cuda-crt-13-0 \
+        cuda-cudart-dev-13-0 \
  && rm -rf /var/lib/apt/lists/*
 ENV CUSERVE_EXTRAS=cuda13
 

@@ -145,12 +145,8 @@ def attention_table(shape: dict, lengths: list[int]) -> list[str]:
     return rows
 
 
-def decode_table(shape_name: str, batches: list[int], context: int, pdl: bool | None = None,
-                 early: int = 1) -> list[str]:
-    """The decode graph alone vs a whole runner step; `pdl` launches with programmatic
-    dependencies, `early` compiles the kernels with -DPDL_EARLY (see common.cuh)."""
-    from kernels_cuda import _module
-    _module.PDL_EARLY = early
+def decode_table(shape_name: str, batches: list[int], context: int, pdl: bool | None = None) -> list[str]:
+    """The decode graph alone vs a whole runner step; `pdl`: programmatic dependent launch."""
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.loader import load_model
     from engine.outputs import ScheduledSeq, SchedulerOutput
@@ -180,7 +176,7 @@ def decode_table(shape_name: str, batches: list[int], context: int, pdl: bool | 
             step.append((time.perf_counter() - t0) * 1e3)
         t_step = statistics.median(step)
         kv_bytes = B * context * cfg.kv_bytes_per_token(2)
-        rows.append(f"{shape_name} pdl={runner.pdl:d} early={early} B={B:<4d} ctx={context}: graph {t_graph:7.3f} ms "
+        rows.append(f"{shape_name} pdl={runner.pdl:d} B={B:<4d} ctx={context}: graph {t_graph:7.3f} ms "
                     f"({(weight_bytes + kv_bytes) / t_graph / 1e6:6.0f} GB/s of weights+KV), runner.execute "
                     f"{t_step:7.3f} ms -> {B / t_step * 1e3:9.1f} tok/s")
     del runner
@@ -209,7 +205,6 @@ def main() -> None:
     if not args.skip_matmul:
         lines += matmul_table(SHAPES[args.shape], sorted(set(batches + [1, 2, 4, 8])))
     lines += decode_table(args.shape, batches, args.context, pdl=False)
-    lines += decode_table(args.shape, batches, args.context, pdl=True, early=0)
     lines += decode_table(args.shape, batches, args.context, pdl=True)
     print("\n".join(lines))
 

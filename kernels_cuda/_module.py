@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import shutil
 import ctypes
 from pathlib import Path
 
@@ -18,42 +17,14 @@ KERNEL_DIR = Path(__file__).resolve().parent
 SCALAR_DTYPES = (np.dtype(np.float16), np.dtype(np.uint16))  # fp16, bf16 bits
 
 _MODULES: dict[tuple, cp.RawModule] = {}
-_INCLUDES: list[str] | None = None
-
-
-def _toolkit_includes() -> list[str]:
-    """A CUDA toolkit include folder with crt/mma.h (the WMMA header's implementation),
-    which the headers CuPy's pip wheels bring do not have; NVRTC needs it for <mma.h>."""
-    global _INCLUDES
-    if _INCLUDES is None:
-        candidates = []
-        try:
-            from cuda.pathfinder import find_nvidia_header_directory
-            found = find_nvidia_header_directory("cudart")
-            if found:
-                candidates.append(Path(found))
-        except Exception:  # noqa: BLE001 - older CuPy without cuda.pathfinder
-            pass
-        nvcc = shutil.which("nvcc")
-        if nvcc:
-            candidates.append(Path(nvcc).resolve().parent.parent / "include")
-        candidates += [Path("/usr/local/cuda/include"), *sorted(Path("/usr/local").glob("cuda-*/include"))]
-        _INCLUDES = [f"-I{c}" for c in candidates if (c / "crt" / "mma.h").is_file()][:1]
-    return _INCLUDES
-
-
-# Every module is compiled with -DPDL_EARLY=<this> (common.cuh): whether the short kernels
-# in front of a matrix product let it launch before they wait. bench/kernels.py compares.
-PDL_EARLY = 1
 
 
 def module(family: str, **defines: int) -> cp.RawModule:
-    defines.setdefault("PDL_EARLY", PDL_EARLY)
     key = (family, tuple(sorted(defines.items())))
     mod = _MODULES.get(key)
     if mod is None:
         source = (KERNEL_DIR / f"{family}.cu").read_text(encoding="utf-8")
-        options = ("-std=c++17", f"-I{KERNEL_DIR}", *_toolkit_includes(),
+        options = ("-std=c++17", f"-I{KERNEL_DIR}",
                    *(f"-D{k}={int(v)}" for k, v in sorted(defines.items())))
         mod = cp.RawModule(code=source, options=options)
         _MODULES[key] = mod

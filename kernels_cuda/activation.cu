@@ -3,7 +3,7 @@
 
 // gate_up (T, 2 * inter) float32 [gate | up] -> out (T, inter) 16-bit
 extern "C" __global__ void silu_mul(const float *__restrict__ gate_up, scalar_t *__restrict__ out, int inter) {
-    PDL_ENTER_EARLY();
+    PDL_ENTER();
     const long long t = blockIdx.x;
     const float *g = gate_up + t * 2 * inter;
     const float *u = g + inter;

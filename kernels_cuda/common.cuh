@@ -32,41 +32,20 @@ __device__ __forceinline__ scalar2_t from_float2(float lo, float hi) { return __
 
 // Programmatic dependent launch (Hopper): a kernel launched with the programmatic
 // stream-serialization attribute may start while the previous one finishes; it must
-// wait for that one's results (PDL_WAIT) before touching memory the previous kernels
-// write, and lets the next kernel launch (PDL_TRIGGER). PDL_ENTER() waits, then
-// triggers. PDL_ENTER_EARLY() triggers first when -DPDL_EARLY=1 (the default), so the
-// kernel after it can launch at once and do its independent work (the next matrix
-// product's weight prefetch) while this one waits and runs; used by the short kernels
-// in front of a matrix product, and by the products themselves. Safe because a grid
-// launches only once every block of the one before it has started, and waiting is
-// transitive. Without the attribute (or before sm_90) all of these are no-ops.
-#ifndef PDL_EARLY
-#define PDL_EARLY 1
-#endif
+// wait for that one's results before touching memory the previous kernels write, and
+// lets the next kernel start at once. Every kernel opens with PDL_ENTER() (the matrix
+// products first prefetch their weights, which nothing writes). Without the attribute
+// (or before sm_90) both are no-ops.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
-#define PDL_TRIGGER() asm volatile("griddepcontrol.launch_dependents;" :::)
-#else
-#define PDL_WAIT() \
-    do {           \
-    } while (0)
-#define PDL_TRIGGER() \
-    do {              \
-    } while (0)
-#endif
-#define PDL_ENTER()     \
-    do {                \
-        PDL_WAIT();     \
-        PDL_TRIGGER();  \
-    } while (0)
-#if PDL_EARLY
-#define PDL_ENTER_EARLY() \
-    do {                  \
-        PDL_TRIGGER();    \
-        PDL_WAIT();       \
+#define PDL_ENTER()                                            \
+    do {                                                       \
+        asm volatile("griddepcontrol.wait;" ::: "memory");     \
+        asm volatile("griddepcontrol.launch_dependents;" :::); \
     } while (0)
 #else
-#define PDL_ENTER_EARLY() PDL_ENTER()
+#define PDL_ENTER() \
+    do {            \
+    } while (0)
 #endif
 
 #define NEG_INF (__int_as_float(0xff800000))

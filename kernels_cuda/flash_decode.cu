@@ -139,7 +139,7 @@ extern "C" __global__ void flash_decode_reduce(
     const float *__restrict__ part_o, const float *__restrict__ part_ml, const int *__restrict__ kv_lens,
     scalar_t *__restrict__ out,  // (B, H, HEAD_DIM)
     int num_heads, int max_splits, int window) {
-    PDL_ENTER_EARLY();
+    PDL_ENTER();
     const int h = blockIdx.x, b = blockIdx.y;
     const int kv_len = kv_lens[b];
     const long long row = (long long)b * num_heads + h;

@@ -58,7 +58,7 @@ __device__ __forceinline__ void skinny(const scalar_t *__restrict__ x, const sca
                      "r"(prefetch)
                      : "memory");
 #endif
-    PDL_ENTER_EARLY();
+    PDL_ENTER();
     const int groups = K >> 3;  // 16-byte groups of k in a row
     const int chunks = (groups + 3) >> 2, whole = groups >> 2;
     const uint4 *xrow = reinterpret_cast<const uint4 *>(x + (long long)(g < B ? g : 0) * K);

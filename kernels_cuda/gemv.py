@@ -11,7 +11,7 @@ MAX_ROWS = 16
 # gemv.cu's shape constants (warps per block, chunks per pass), chosen with
 # `bench/kernels.py --gemv-sweep`.
 CONFIG = {"WARPS": 8, "DEPTH": 8}
-PREFETCH_BUDGET = 12 << 20  # bytes of a matrix asked into the L2 before the previous kernel ends
+PREFETCH_BUDGET = 12 << 20  # bytes of a matrix asked into the L2 while the previous kernel ends
 
 
 def gemv(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray | None = None, pdl: bool = False,

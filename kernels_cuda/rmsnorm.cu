@@ -6,7 +6,7 @@
 // out = x / sqrt(mean(x^2) + eps) * w
 extern "C" __global__ void rms_norm(const float *__restrict__ x, const float *__restrict__ w,
                                     scalar_t *__restrict__ out, int hidden, float eps) {
-    PDL_ENTER_EARLY();
+    PDL_ENTER();
     __shared__ float scratch[32];
     const long long row = blockIdx.x;
     const float *xr = x + row * hidden;
@@ -20,7 +20,7 @@ extern "C" __global__ void rms_norm(const float *__restrict__ x, const float *__
 extern "C" __global__ void add_rms_norm(float *__restrict__ residual, const float *__restrict__ delta,
                                         const float *__restrict__ bias, const float *__restrict__ w,
                                         scalar_t *__restrict__ out, int hidden, float eps) {
-    PDL_ENTER_EARLY();
+    PDL_ENTER();
     __shared__ float scratch[32];
     const long long row = blockIdx.x;
     float *r = residual + row * hidden;
