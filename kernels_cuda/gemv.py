@@ -7,11 +7,11 @@ import numpy as np
 
 from ._module import check, i32, launch, module, same_scalar, use_bf16
 
+# The runner uses this kernel for every step of up to MAX_ROWS rows, so a sequence's logits
+# do not depend on what else is in such a step. H200 sweep (`bench/kernels.py --gemv-sweep`,
+# Llama-3-8B matrices): ~3 % faster than cuBLAS at 1 and 8 rows, ~16 % slower at 16;
+# invariance was kept over those 16 % for 9-16 rows.
 MAX_ROWS = 16
-# Rows up to which the runner prefers this kernel to cuBLAS. H200 sweep
-# (`bench/kernels.py --gemv-sweep`, Llama-3-8B matrices): ~3 % faster than cuBLAS at 1
-# and 8 rows, ~16 % slower at 16 (the second x row set costs more than it saves).
-RUNNER_ROWS = 8
 # gemv.cu's shape constants (warps per block, chunks per pass), chosen with
 # `bench/kernels.py --gemv-sweep`.
 CONFIG = {"WARPS": 8, "DEPTH": 8}

@@ -25,7 +25,7 @@ from kernels_cuda.embedding import embedding
 from kernels_cuda.flash_decode import flash_decode
 from kernels_cuda.flash_prefill import flash_prefill, tiles
 from kernels_cuda.gemm import gemm
-from kernels_cuda.gemv import RUNNER_ROWS as GEMV_ROWS
+from kernels_cuda.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from kernels_cuda.gemv import gemv
 from kernels_cuda._module import pdl_supported
 from kernels_cuda.rmsnorm import add_rms_norm, rms_norm
@@ -349,7 +349,7 @@ class CudaRunner:
     # ------------------------------------------------------------------ the model
 
     def _linear(self, x: cp.ndarray, w: cp.ndarray, out: cp.ndarray) -> None:
-        if x.shape[0] <= GEMV_ROWS:
+        if x.shape[0] <= GEMV_MAX_ROWS:
             gemv(x, w, out, pdl=self.pdl)
         else:
             gemm(x, w, out)
