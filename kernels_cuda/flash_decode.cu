@@ -4,7 +4,10 @@
 // one sequence for the GROUP query heads that share a KV head, and writes an
 // unnormalised partial output with its max and sum. The grid is static (graph-safe):
 // lengths and pointers come from device arrays, and splits past a sequence's length
-// (or a padding row's length 0) exit at once.
+// (or a padding row's length 0) exit at once. K/V stream through a ring of STAGES
+// rounds per thread in shared memory, filled by cp.async, so STAGES - 1 rounds of loads
+// are in flight while one is used (each thread reads back only what it copied: no
+// barrier); the ring's memory is reused for the block's final combine.
 // flash_decode_reduce: grid (heads, B). Combines the partials into the output.
 //
 // -DHEAD_DIM (multiple of 8, <= 256), -DGROUP (query heads per KV head), -DCHUNK.
@@ -23,7 +26,15 @@
 #endif
 #define THREADS 128
 #define TPT (HEAD_DIM / 8)       // threads per key: 8 dims each, one 16-byte load
-#define GROUPS (THREADS / TPT)   // keys in flight per block
+#define GROUPS (THREADS / TPT)   // keys per round of the block
+#define STAGES 8                 // rounds of K/V a thread keeps in its ring
+
+union ChunkShared {
+    uint4 ring[STAGES][2][THREADS];  // K, V: one 16-byte piece per thread per round
+    struct {
+        float m[GROUPS][GROUP], l[GROUPS][GROUP], acc[GROUPS][GROUP][HEAD_DIM];
+    } red;
+};
 
 __device__ __forceinline__ int window_start(int kv_len, int window) {
     return window > 0 && kv_len > window ? kv_len - window : 0;
@@ -74,16 +85,26 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_decode_chunk(
     const long long kv_stride = (long long)num_kv_heads * HEAD_DIM;
     const scalar_t *kb = reinterpret_cast<const scalar_t *>(k_ptrs[b]) + layer_offset + kvh * HEAD_DIM + sub * 8;
     const scalar_t *vb = reinterpret_cast<const scalar_t *>(v_ptrs[b]) + layer_offset + kvh * HEAD_DIM + sub * 8;
+    __shared__ ChunkShared sh;
+    const int rounds = (end - start + GROUPS - 1) / GROUPS;
+    auto issue = [&](int i) {  // round i: key start + i * GROUPS + grp, zeros past the end
+        if (i < rounds) {
+            const int t = start + i * GROUPS + grp;
+            const long long off = (long long)(t < end ? t : start) * kv_stride;
+            cp_async16(&sh.ring[i % STAGES][0][tid], kb + off, t < end);
+            cp_async16(&sh.ring[i % STAGES][1][tid], vb + off, t < end);
+        }
+        cp_async_commit();
+    };
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; i++) issue(i);
     // every lane of a warp runs the same number of rounds (the shuffles need the whole
     // warp); a group whose key is past the end does the arithmetic and drops it
-    for (int t0 = start; t0 < end; t0 += GROUPS) {
-        const int t = t0 + grp;
-        const bool live = t < end;
-        uint4 kraw = make_uint4(0, 0, 0, 0), vraw = make_uint4(0, 0, 0, 0);
-        if (live) {
-            kraw = *reinterpret_cast<const uint4 *>(kb + t * kv_stride);
-            vraw = *reinterpret_cast<const uint4 *>(vb + t * kv_stride);
-        }
+    for (int r = 0; r < rounds; r++) {
+        issue(r + STAGES - 1);
+        cp_async_wait<STAGES - 1>();  // round r has landed
+        const bool live = start + r * GROUPS + grp < end;
+        const uint4 kraw = sh.ring[r % STAGES][0][tid], vraw = sh.ring[r % STAGES][1][tid];
         float kf[8], vf[8];
         vec8_to_float(*reinterpret_cast<const vec8 *>(&kraw), kf);
         vec8_to_float(*reinterpret_cast<const vec8 *>(&vraw), vf);
@@ -104,28 +125,28 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_decode_chunk(
             m[g] = m_new;
         }
     }
-    // combine the key groups of the block
-    __shared__ float sm_m[GROUPS][GROUP], sm_l[GROUPS][GROUP];
-    __shared__ float sm_acc[GROUPS][GROUP][HEAD_DIM];
+    // combine the key groups of the block (in the ring's memory, once everyone is done with it)
+    cp_async_wait<0>();
+    __syncthreads();
 #pragma unroll
     for (int g = 0; g < GROUP; g++) {
         if (sub == 0) {
-            sm_m[grp][g] = m[g];
-            sm_l[grp][g] = l[g];
+            sh.red.m[grp][g] = m[g];
+            sh.red.l[grp][g] = l[g];
         }
 #pragma unroll
-        for (int i = 0; i < 8; i++) sm_acc[grp][g][sub * 8 + i] = acc[g][i];
+        for (int i = 0; i < 8; i++) sh.red.acc[grp][g][sub * 8 + i] = acc[g][i];
     }
     __syncthreads();
     for (int i = tid; i < GROUP * HEAD_DIM; i += THREADS) {
         const int g = i / HEAD_DIM, d = i % HEAD_DIM;
         float M = NEG_INF;
-        for (int j = 0; j < GROUPS; j++) M = fmaxf(M, sm_m[j][g]);
+        for (int j = 0; j < GROUPS; j++) M = fmaxf(M, sh.red.m[j][g]);
         float O = 0.0f, L = 0.0f;
         for (int j = 0; j < GROUPS; j++) {
-            const float w = sm_m[j][g] == NEG_INF ? 0.0f : __expf(sm_m[j][g] - M);
-            O += sm_acc[j][g][d] * w;
-            L += sm_l[j][g] * w;
+            const float w = sh.red.m[j][g] == NEG_INF ? 0.0f : __expf(sh.red.m[j][g] - M);
+            O += sh.red.acc[j][g][d] * w;
+            L += sh.red.l[j][g] * w;
         }
         po[(long long)g * head_stride + d] = O;
         if (d == 0) {
