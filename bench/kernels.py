@@ -41,35 +41,12 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
-def matmul_table(shape: dict, batches: list[int]) -> list[str]:
-    from kernels_cuda.gemm import gemm
-    from kernels_cuda.gemv import MAX_ROWS, gemv
-    h, i = shape["hidden_size"], shape["intermediate_size"]
-    q, kv, v = shape["num_heads"] * shape["head_dim"], shape["num_kv_heads"] * shape["head_dim"], shape["vocab_size"]
-    mats = {"qkv": (q + 2 * kv, h), "o": (h, q), "gate_up": (2 * i, h), "down": (h, i), "lm_head": (v, h)}
-    rows = []
-    for name, (n, k) in mats.items():
-        ws = [(cp.random.standard_normal((n, k), dtype=cp.float32) * 0.02).astype(cp.float16) for _ in range(3)]
-        nbytes = n * k * 2
-        for b in batches:
-            x = (cp.random.standard_normal((b, k), dtype=cp.float32)).astype(cp.float16)
-            out = cp.empty((b, n), cp.float32)
-            state = {"j": 0}
-
-            def run(fn):
-                def go():
-                    state["j"] = (state["j"] + 1) % 3  # rotate weights: no L2 reuse between runs
-                    fn(x, ws[state["j"]], out)
-                return go
-            t_blas = time_gpu(run(gemm))
-            t_gemv = time_gpu(run(gemv)) if b <= MAX_ROWS else float("nan")
-            rows.append(f"{name:8s} {n:6d}x{k:<6d} B={b:<4d} cublas {t_blas * 1e3:8.1f} us {nbytes / t_blas / 1e6:7.0f} GB/s"
-                        f"   gemv {t_gemv * 1e3:8.1f} us {nbytes / t_gemv / 1e6:7.0f} GB/s")
-    return rows
-
-
-SWEEP = [{"WARPS": 8, "DEPTH": 8}, {"WARPS": 8, "DEPTH": 4}, {"WARPS": 16, "DEPTH": 4}, {"WARPS": 4, "DEPTH": 8},
-         {"WARPS": 16, "DEPTH": 8}]  # gemv.cu shape constants to compare
+def step_matrices(shape: dict) -> dict[str, tuple[int, int, int]]:
+    """A decode step's matrix products of a shape: name -> (N, K, uses per step)."""
+    h, i, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_layers"]
+    q, kv = shape["num_heads"] * shape["head_dim"], shape["num_kv_heads"] * shape["head_dim"]
+    return {"qkv": (q + 2 * kv, h, layers), "o": (h, q, layers), "gate_up": (2 * i, h, layers),
+            "down": (h, i, layers), "lm_head": (shape["vocab_size"], h, 1)}
 
 
 def rotating_weights(n: int, k: int, min_total: int = 256 << 20) -> list:
@@ -78,16 +55,46 @@ def rotating_weights(n: int, k: int, min_total: int = 256 << 20) -> list:
     return [(cp.random.standard_normal((n, k), dtype=cp.float32) * 0.02).astype(cp.float16) for _ in range(copies)]
 
 
+def time_rotating(fn, x: cp.ndarray, ws: list, out: cp.ndarray) -> float:
+    """Median ms of fn(x, w, out), with w the next of `ws` each run (no L2 reuse between runs)."""
+    state = {"j": 0}
+
+    def go():
+        state["j"] = (state["j"] + 1) % len(ws)
+        fn(x, ws[state["j"]], out)
+    return time_gpu(go)
+
+
+def matmul_table(shape: dict, batches: list[int]) -> list[str]:
+    from kernels_cuda.gemm import gemm
+    from kernels_cuda.gemv import MAX_ROWS, gemv
+    rows = []
+    for name, (n, k, _) in step_matrices(shape).items():
+        ws = rotating_weights(n, k)
+        nbytes = n * k * 2
+        for b in batches:
+            x = (cp.random.standard_normal((b, k), dtype=cp.float32)).astype(cp.float16)
+            out = cp.empty((b, n), cp.float32)
+            t_blas = time_rotating(gemm, x, ws, out)
+            t_gemv = time_rotating(gemv, x, ws, out) if b <= MAX_ROWS else float("nan")
+            rows.append(f"{name:8s} {n:6d}x{k:<6d} B={b:<4d} cublas {t_blas * 1e3:8.1f} us {nbytes / t_blas / 1e6:7.0f} GB/s"
+                        f"   gemv {t_gemv * 1e3:8.1f} us {nbytes / t_gemv / 1e6:7.0f} GB/s")
+        del ws
+    return rows
+
+
+SWEEP = [{"WARPS": 8, "DEPTH": 8}, {"WARPS": 8, "DEPTH": 4}, {"WARPS": 16, "DEPTH": 4}, {"WARPS": 4, "DEPTH": 8},
+         {"WARPS": 16, "DEPTH": 8}]  # gemv.cu shape constants to compare
+
+
 def gemv_sweep(shape: dict, batches: list[int]) -> list[str]:
     """Each SWEEP config of the skinny GEMM against cuBLAS on a shape's matrices: checked
     against cuBLAS, then timed; the total is one decode step's matrix products."""
     from kernels_cuda.gemm import gemm
     from kernels_cuda.gemv import gemv
-    h, i = shape["hidden_size"], shape["intermediate_size"]
-    q, kv, v = shape["num_heads"] * shape["head_dim"], shape["num_kv_heads"] * shape["head_dim"], shape["vocab_size"]
-    layers = shape["num_layers"]
-    mats = {"qkv": (q + 2 * kv, h, layers), "o": (h, q, layers), "gate_up": (2 * i, h, layers),
-            "down": (h, i, layers), "lm_head": (v, h, 1)}
+    mats = step_matrices(shape)
+    candidates = [("cublas", gemm)] + [(",".join(f"{key[0]}{val}" for key, val in c.items()),
+                                         lambda x_, w_, o_, c=c: gemv(x_, w_, o_, config=c)) for c in SWEEP]
     rows = []
     for b in batches:
         totals: dict[str, float] = {}
@@ -96,23 +103,11 @@ def gemv_sweep(shape: dict, batches: list[int]) -> list[str]:
             ws = rotating_weights(n, k)
             x = cp.random.standard_normal((b, k), dtype=cp.float32).astype(cp.float16)
             out = cp.empty((b, n), cp.float32)
-            ref = cp.empty((b, n), cp.float32)
-            gemm(x, ws[0], ref)
-            state = {"j": 0}
-
-            def timed(fn):
-                def go():
-                    state["j"] = (state["j"] + 1) % len(ws)
-                    fn(x, ws[state["j"]], out)
-                return time_gpu(go)
-            candidates = [("cublas", lambda x_, w_, o_: gemm(x_, w_, o_))]
-            for c in SWEEP:
-                candidates.append((",".join(f"{key[0]}{val}" for key, val in c.items()),
-                                   lambda x_, w_, o_, c=c: gemv(x_, w_, o_, config=c)))
+            ref = gemm(x, ws[0], cp.empty((b, n), cp.float32))
             for label, fn in candidates:
                 fn(x, ws[0], out)
                 err = float(cp.abs(out - ref).max() / (cp.abs(ref).max() + 1e-9))
-                t = timed(fn)
+                t = time_rotating(fn, x, ws, out)
                 totals[label] = totals.get(label, 0.0) + count * t
                 per.setdefault(label, []).append(f"{name} {t * 1e3:6.1f}us {n * k * 2 / t / 1e6:5.0f}GB/s"
                                                  + (f" ERR {err:.1e}" if err > 1e-2 else ""))
@@ -168,7 +163,7 @@ def decode_table(shape_name: str, batches: list[int], context: int, pdl: bool | 
         runner.execute(out)  # fills the step inputs (and compiles nothing new)
         graph = runner.graphs[bucket_for(B)]
         with runner.stream:
-            t_graph = time_gpu(lambda: graph.launch(runner.stream), iters=30)
+            t_graph = time_gpu(lambda s=runner.stream: graph.launch(s), iters=30)
         step = []
         for _ in range(20):
             t0 = time.perf_counter()

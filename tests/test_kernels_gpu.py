@@ -222,17 +222,13 @@ def test_flash_decode(dtype, head_dim, heads, kv_heads, window):
         assert rel(got[b], ref) < tol(dtype), (b, rel(got[b], ref))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("window", [0, 50])
-def test_flash_prefill_ragged_with_cached_prefix(dtype, head_dim, window):
+def check_flash_prefill(dtype, H, KVH, head_dim, q_lens, start_pos, region_starts, layers, layer, slots, window):
+    """Ragged chunks (q_lens) after cached prefixes (start_pos) in regions of the cache,
+    against the reference attention of each sequence."""
     from kernels_cuda.flash_prefill import flash_prefill, tiles
-    H, KVH = 6, 2
-    q_lens = np.array([1, 70, 130, 64], np.int32)
-    start_pos = np.array([0, 5, 100, 0], np.int32)  # chunks after cached prefixes
+    q_lens, start_pos = np.asarray(q_lens, np.int32), np.asarray(start_pos, np.int32)
+    region_starts = np.asarray(region_starts)
     kv_lens = start_pos + q_lens
-    region_starts = np.array([0, 300, 600, 1000])
-    layers, layer, slots = 2, 0, 1200
     kc, vc, dk, dv = make_cache(dtype, layers, slots, KVH, head_dim)
     T = int(q_lens.sum())
     q = rng.standard_normal((T, H, head_dim)).astype(np.float32)
@@ -253,6 +249,23 @@ def test_flash_prefill_ragged_with_cached_prefix(dtype, head_dim, window):
         ref = ref_attention(qr[sl], kr[layer, r0:r0 + kv_lens[s]], vr[layer, r0:r0 + kv_lens[s]],
                             np.arange(start_pos[s], kv_lens[s]), window)
         assert rel(got[sl], ref) < tol(dtype), (s, rel(got[sl], ref))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("window", [0, 50])
+def test_flash_prefill_ragged_with_cached_prefix(dtype, head_dim, window):
+    # chunks after cached prefixes, one of a single query
+    check_flash_prefill(dtype, H=6, KVH=2, head_dim=head_dim, q_lens=[1, 70, 130, 64], start_pos=[0, 5, 100, 0],
+                        region_starts=[0, 300, 600, 1000], layers=2, layer=0, slots=1200, window=window)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [0, 200])
+def test_flash_prefill_long_chunk(dtype, window):
+    """Many key tiles (the double-buffered stream), a diagonal that cuts tiles, GQA 4."""
+    check_flash_prefill(dtype, H=8, KVH=2, head_dim=128, q_lens=[700, 3], start_pos=[301, 40],
+                        region_starts=[0, 1100], layers=1, layer=0, slots=1200, window=window)
 
 
 # --------------------------------------------------------------------- sampling
@@ -366,35 +379,3 @@ def test_token_logprobs():
         np.testing.assert_array_equal(got_ids[r, :lp_n[r]], order)
         np.testing.assert_allclose(got_top[r, :lp_n[r]], ref[r, order], atol=1e-4)
 
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("window", [0, 200])
-def test_flash_prefill_long_chunk(dtype, window):
-    """Many key tiles (the double-buffered stream), a diagonal that cuts tiles, GQA 4."""
-    from kernels_cuda.flash_prefill import flash_prefill, tiles
-    H, KVH, D = 8, 2, 128
-    q_lens = np.array([700, 3], np.int32)
-    start_pos = np.array([301, 40], np.int32)
-    kv_lens = start_pos + q_lens
-    region_starts = np.array([0, 1100])
-    layers, layer, slots = 1, 0, 1200
-    kc, vc, dk, dv = make_cache(dtype, layers, slots, KVH, D)
-    T = int(q_lens.sum())
-    q = rng.standard_normal((T, H, D)).astype(np.float32)
-    q_start = np.array([0, q_lens[0]], np.int32)
-    slot_bytes = KVH * D * 2
-    tile_seq, tile_q0 = tiles(q_lens)
-    out = cp.zeros((T, H, D), dk.dtype)
-    flash_prefill(to_dev(q, dtype), cp.asarray(tile_seq), cp.asarray(tile_q0), cp.asarray(q_start),
-                  cp.asarray(q_lens), cp.asarray(kv_lens.astype(np.int32)),
-                  cp.asarray(dk.data.ptr + region_starts * slot_bytes, dtype=cp.int64),
-                  cp.asarray(dv.data.ptr + region_starts * slot_bytes, dtype=cp.int64),
-                  0, KVH, 1 / np.sqrt(D), out, window=window)
-    got = from_dev(out)
-    kr, vr, qr = rounded(kc, dtype), rounded(vc, dtype), rounded(q, dtype)
-    for s in range(len(q_lens)):
-        sl = slice(q_start[s], q_start[s] + q_lens[s])
-        r0 = region_starts[s]
-        ref = ref_attention(qr[sl], kr[layer, r0:r0 + kv_lens[s]], vr[layer, r0:r0 + kv_lens[s]],
-                            np.arange(start_pos[s], kv_lens[s]), window)
-        assert rel(got[sl], ref) < tol(dtype), (s, rel(got[sl], ref))

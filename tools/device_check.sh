@@ -2,8 +2,8 @@
 # GPU checks on a lent device machine (the device tool runs this in the repo root).
 #   stage 1: install the carried wheels (.whl/), keep part 1 of SmolLM2 (.devpart/) in /tmp/cuserve_store,
 #            kernel tests and the tiny-model runner tests
-#   stage 2: assemble SmolLM2 from the stored and carried parts; runner, engine and server tests (TESTS=0: none)
-#            on the GPU; decode benchmark
+#   stage 2: assemble SmolLM2 from the stored and carried parts; runner, engine and server tests on the GPU
+#            and the SmolLM2 decode benchmark (TESTS=0 skips these); FULL_BENCH=1, LOAD=1: the benchmarks
 # Logs go to $OUT (the tool brings them back); a summary table is printed last.
 set -uo pipefail
 stage=${1:?stage 1 or 2}

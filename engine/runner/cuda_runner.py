@@ -610,18 +610,19 @@ class CudaRunner:
             embedding(dev["tok_ids"], w.embed_tokens, b.embed_out[:T])
 
             window = cfg.sliding_window or 0
+            decode_args = (b.q_rot[:nd], dev["seq_k"][:nd], dev["seq_v"][:nd], dev["kv_len"][:nd])
+            decode_out = (b.part_o[:nd], b.part_ml[:nd], b.attn_out[:nd])
+            prefill_seqs = tuple(dev[name][nd:] for name in ("q_start", "q_len", "kv_len", "seq_k", "seq_v"))
 
             def attention(i: int, layer) -> None:
                 offset = i * self._layer_elems
                 rope_kv_write(b.qkv_out[:T], dev["tok_pos"], self.rope_cos, self.rope_sin, dev["tok_k"], dev["tok_v"],
                               offset, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, b.q_rot[:T], bias=layer.qkv_bias)
                 if nd:
-                    flash_decode(b.q_rot[:nd], dev["seq_k"][:nd], dev["seq_v"][:nd], dev["kv_len"][:nd], offset,
-                                 cfg.num_kv_heads, b.part_o[:nd], b.part_ml[:nd], b.attn_out[:nd],
-                                 cfg.softmax_scale, self.chunk, window)
+                    flash_decode(*decode_args, offset, cfg.num_kv_heads, *decode_out, cfg.softmax_scale, self.chunk,
+                                 window)
                 if nd < len(rows):
-                    flash_prefill(b.q_rot[:T], dev["tile_seq"], dev["tile_q0"], dev["q_start"][nd:],
-                                  dev["q_len"][nd:], dev["kv_len"][nd:], dev["seq_k"][nd:], dev["seq_v"][nd:], offset,
+                    flash_prefill(b.q_rot[:T], dev["tile_seq"], dev["tile_q0"], *prefill_seqs, offset,
                                   cfg.num_kv_heads, cfg.softmax_scale, b.attn_out[:T], window)
 
             self._layers(T, attention)
