@@ -179,6 +179,52 @@ def decode_table(shape_name: str, batches: list[int], context: int, pdl: bool | 
     return rows
 
 
+def profile_graph(shape_name: str, batch: int, context: int) -> None:
+    """Launch the decode graph of `batch` rows once between cudaProfilerStart/Stop, for
+    `ncu --profile-from-start off --graph-profiling node` (see ncu_summary)."""
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine.loader import load_model
+    from engine.outputs import ScheduledSeq, SchedulerOutput
+    from engine.request import SamplingParams
+    from engine.runner.cuda_runner import CudaRunner, bucket_for
+    model = load_model(f"random:{shape_name}", with_tokenizer=False)
+    config = EngineConfig(model=shape_name, device="cuda", cache=CacheConfig(kv_cache_bytes=8 << 30),
+                          scheduler=SchedulerConfig(max_num_seqs=batch, max_model_len=context + 256,
+                                                    max_num_batched_tokens=2048))
+    runner = CudaRunner(config, model, progress=False)
+    greedy = SamplingParams(temperature=0)
+    runner.execute(SchedulerOutput([ScheduledSeq(i, [5], context, i * (context + 256), True, greedy, rng_seed=i)
+                                    for i in range(batch)]))
+    runner.stream.synchronize()
+    cp.cuda.profiler.start()
+    runner.graphs[bucket_for(batch)].launch(runner.stream)
+    runner.stream.synchronize()
+    cp.cuda.profiler.stop()
+
+
+def ncu_summary(csv_path: str) -> list[str]:
+    """Per-kernel times of one profiled graph (ncu --csv --print-units base, metrics
+    gpu__time_duration.sum and dram__bytes_read.sum), summed by kernel name."""
+    import csv
+    kernels: dict[str, dict] = {}
+    with open(csv_path, newline="") as f:
+        lines = [line for line in f if line.startswith('"')]  # skip ncu's own messages
+    for row in csv.DictReader(lines):
+        k = kernels.setdefault(row["ID"], {"name": row["Kernel Name"].split("(")[0]})
+        k[row["Metric Name"]] = float(row["Metric Value"].replace(",", ""))
+    totals: dict[str, list[float]] = {}
+    for k in kernels.values():
+        t = totals.setdefault(k["name"], [0, 0.0, 0.0])
+        t[0] += 1
+        t[1] += k.get("gpu__time_duration.sum", 0.0) / 1e3
+        t[2] += k.get("dram__bytes_read.sum", 0.0)
+    all_us = sum(t[1] for t in totals.values())
+    out = [f"{len(kernels)} kernels, {all_us:.1f} us run one at a time"]
+    for name, (n, us, nbytes) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
+        out.append(f"  {name:28s} x{n:<4d} {us:9.1f} us ({us / n:7.2f} each) {nbytes / max(us, 1e-9) / 1e3:7.0f} GB/s")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama3-8b")
@@ -187,8 +233,17 @@ def main() -> None:
     ap.add_argument("--skip-matmul", action="store_true")
     ap.add_argument("--gemv-sweep", action="store_true", help="compare gemv.cu shape constants and stop")
     ap.add_argument("--attention", default="", help="prefill attention alone at these lengths, e.g. 2048,8192")
+    ap.add_argument("--profile", action="store_true",
+                    help="launch the first batch's decode graph once inside cudaProfilerStart/Stop (run under ncu)")
+    ap.add_argument("--ncu-summary", default="", help="summarise an ncu --csv file of such a run and stop")
     args = ap.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
+    if args.ncu_summary:
+        print("\n".join(ncu_summary(args.ncu_summary)))
+        return
+    if args.profile:
+        profile_graph(args.shape, batches[0], args.context)
+        return
     from engine.loader.random_model import SHAPES
     lines = [f"copy bandwidth: {copy_bandwidth():.0f} GB/s (read + write)"]
     lengths = [int(x) for x in args.attention.split(",")] if args.attention else []

@@ -65,6 +65,23 @@ __device__ __forceinline__ void vec8_to_float(const vec8 &in, float out[8]) {
     }
 }
 
+// SiLU(g) * u, the sigmoid through tanh; the activation kernel and the gate/up product's
+// epilogue share it so both give the same bits.
+__device__ __forceinline__ float silu_times(float g, float u) { return g * (0.5f * (1.0f + tanhf(0.5f * g))) * u; }
+
+// RoPE of one (x1, x2) pair in the rotate-half layout (x1 at j, x2 at j + HEAD_DIM / 2).
+__device__ __forceinline__ void rope_rotate(float x1, float x2, float c, float s, float &o1, float &o2) {
+    o1 = x1 * c - x2 * s;
+    o2 = x2 * c + x1 * s;
+}
+
+// Where the K (or V) row of a token at position pos lands: ptrs[t] is the element address
+// of the token's sequence region in layer 0; the pool is (layers, slots, kv_heads, head_dim).
+__device__ __forceinline__ scalar_t *kv_row(const long long *ptrs, long long t, long long layer_offset, int pos,
+                                            int kv_width) {
+    return reinterpret_cast<scalar_t *>(ptrs[t]) + layer_offset + (long long)pos * kv_width;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -1,5 +1,6 @@
-"""Split-KV flash decoding (flash_decode.cu): a chunk kernel and a reduce kernel over a
-static grid that reads lengths and KV pointers from device arrays (graph-safe)."""
+"""Split-KV flash decoding (flash_decode.cu): one kernel over a static grid that reads
+lengths and KV pointers from device arrays (graph-safe); the last split block of each
+(row, KV head) combines the partials."""
 
 from __future__ import annotations
 
@@ -9,15 +10,17 @@ import numpy as np
 from ._module import check, check_scalar, f32, i32, i64, launch, module, use_bf16
 
 CHUNK_THREADS = 128
+MAX_SPLITS = 64  # flash_decode.cu's bound on the splits of one sequence
 
 
 def flash_decode(q: cp.ndarray, k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, kv_lens: cp.ndarray,
                  layer_offset: int, num_kv_heads: int, part_o: cp.ndarray, part_ml: cp.ndarray,
-                 out: cp.ndarray, scale: float, chunk: int = 256, window: int = 0, pdl: bool = False) -> cp.ndarray:
+                 counters: cp.ndarray, out: cp.ndarray, scale: float, chunk: int = 256, window: int = 0, pdl: bool = False) -> cp.ndarray:
     """out (B, H, D) = softmax(q k^T * scale) v over each row's kv_lens[b] cached keys.
 
     part_o (B, H, S, D) float32 and part_ml (B, H, S, 2) float32 are the split partials;
     S (the number of splits) fixes the grid: S * chunk must cover the longest context.
+    counters (B, num_kv_heads) int32 must be zero; the kernel leaves them zero.
     """
     if q.ndim != 3:
         raise ValueError(f"q: expected (B, heads, head_dim), got {q.shape}")
@@ -33,11 +36,12 @@ def flash_decode(q: cp.ndarray, k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, kv_lens:
     check(part_ml, "part_ml", np.float32, (B, H, S, 2))
     for name, arr, dt in (("k_ptrs", k_ptrs, np.int64), ("v_ptrs", v_ptrs, np.int64), ("kv_lens", kv_lens, np.int32)):
         check(arr, name, dt, (B,))
+    if S > MAX_SPLITS:
+        raise ValueError(f"{S} splits of {chunk} keys: at most {MAX_SPLITS} (use a longer chunk)")
+    check(counters, "counters", np.int32, (B, num_kv_heads))
     check(out, "out", q.dtype, (B, H, D))
     mod = module("flash_decode", USE_BF16=use_bf16(q), HEAD_DIM=D, GROUP=H // num_kv_heads, CHUNK=chunk)
     launch(mod.get_function("flash_decode_chunk"), (S, num_kv_heads, B), (CHUNK_THREADS,),
-           (q, k_ptrs, v_ptrs, kv_lens, i64(layer_offset), part_o, part_ml, i32(H), i32(num_kv_heads), i32(S),
-            i32(window), f32(scale)), pdl=pdl)
-    launch(mod.get_function("flash_decode_reduce"), (H, B), (min(D, 256),),
-           (part_o, part_ml, kv_lens, out, i32(H), i32(S), i32(window)), pdl=pdl)
+           (q, k_ptrs, v_ptrs, kv_lens, i64(layer_offset), part_o, part_ml, counters, out, i32(H), i32(num_kv_heads),
+            i32(S), i32(window), f32(scale)), pdl=pdl)
     return out

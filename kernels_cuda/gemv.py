@@ -5,7 +5,8 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
-from ._module import check, i32, launch, module, same_scalar, use_bf16
+from ._module import check, check_scalar, i32, i64, launch, module, ptr_or_null, same_scalar, use_bf16
+from .rope import check_rope_args
 
 # The runner uses this kernel for every step of up to MAX_ROWS rows, so a sequence's logits
 # do not depend on what else is in such a step. H200 sweep (`bench/kernels.py --gemv-sweep`,
@@ -18,12 +19,9 @@ CONFIG = {"WARPS": 8, "DEPTH": 8}
 PREFETCH_BUDGET = 12 << 20  # bytes of a matrix asked into the L2 while the previous kernel ends
 
 
-def gemv(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray | None = None, pdl: bool = False,
-         config: dict | None = None) -> cp.ndarray:
-    """out (B, N) float32 = x (B, K) @ w (N, K)^T; B <= 16, K a multiple of 8, 16-bit operands.
-
-    Each output element is computed the same way whatever B is (batch invariance).
-    """
+def _launch(name: str, x: cp.ndarray, w: cp.ndarray, grid: int, extra: tuple, pdl: bool, config: dict | None,
+            **defines: int) -> None:
+    """Checks shared by the skinny kernels, then the launch (x, w, B, N, K, prefetch, *extra)."""
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"gemv: x {x.shape} and w {w.shape} do not chain")
     B, K = x.shape
@@ -35,12 +33,53 @@ def gemv(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray | None = None, pdl: bool 
     same_scalar(x, w, "x, w")
     check(x, "x", x.dtype)
     check(w, "w", w.dtype)
-    if out is None:
-        out = cp.empty((B, N), np.float32)
-    check(out, "out", np.float32, (B, N))
     cfg = config or CONFIG
     prefetch = min(2 * K, PREFETCH_BUDGET // N) // 16 * 16  # the first bytes of every row
-    name = "gemv_8" if B <= 8 else "gemv_16"
-    launch(module("gemv", USE_BF16=use_bf16(w), **cfg).get_function(name),
-           ((N + 7) // 8,), (32 * cfg["WARPS"],), (x, w, out, i32(B), i32(N), i32(K), i32(prefetch)), pdl=pdl)
+    kernel = module("gemv", USE_BF16=use_bf16(w), **cfg, **defines).get_function(f"{name}_{8 if B <= 8 else 16}")
+    launch(kernel, (grid,), (32 * cfg["WARPS"],), (x, w, i32(B), i32(N), i32(K), i32(prefetch), *extra), pdl=pdl)
+
+
+def gemv(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray | None = None, pdl: bool = False,
+         config: dict | None = None) -> cp.ndarray:
+    """out (B, N) float32 = x (B, K) @ w (N, K)^T; B <= 16, K a multiple of 8, 16-bit operands.
+
+    Each output element is computed the same way whatever B is (batch invariance).
+    """
+    if out is None:
+        out = cp.empty((x.shape[0], w.shape[0]), np.float32)
+    check(out, "out", np.float32, (x.shape[0], w.shape[0]))
+    _launch("gemv", x, w, (w.shape[0] + 7) // 8, (out,), pdl, config)
     return out
+
+
+def gemv_silu(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray, pdl: bool = False) -> cp.ndarray:
+    """out (B, inter) 16-bit = SiLU(x @ gate^T) * (x @ up^T), w = [gate; up] (2 inter, K).
+
+    The same bits as gemv followed by activation.silu_mul; inter must be a multiple of 4.
+    """
+    inter = w.shape[0] // 2
+    if w.shape[0] % 8:
+        raise ValueError(f"gemv_silu: 2 * intermediate = {w.shape[0]} must be a multiple of 8")
+    check_scalar(out, "out")
+    check(out, "out", w.dtype, (x.shape[0], inter))
+    _launch("gemv_silu", x, w, inter // 4, (out,), pdl, None)
+    return out
+
+
+def gemv_rope(x: cp.ndarray, w: cp.ndarray, positions: cp.ndarray, cos: cp.ndarray, sin: cp.ndarray,
+              k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, layer_offset: int, num_heads: int, num_kv_heads: int,
+              q_out: cp.ndarray, bias: cp.ndarray | None = None, pdl: bool = False) -> cp.ndarray:
+    """The QKV product with RoPE and the KV-cache write in its epilogue: the same bits as
+    gemv followed by rope.rope_kv_write (see there for the arguments)."""
+    B = x.shape[0]
+    head_dim = q_out.shape[-1]
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    if w.shape[0] != width or head_dim % 8:
+        raise ValueError(f"gemv_rope: w has {w.shape[0]} rows, expected {width}; head_dim {head_dim} "
+                         "must be a multiple of 8")
+    check_rope_args(B, width, positions, cos, sin, k_ptrs, v_ptrs, q_out, num_heads, head_dim, bias)
+    check(q_out, "q_out", w.dtype)
+    grid = (num_heads + num_kv_heads) * head_dim // 8 + num_kv_heads * head_dim // 8
+    _launch("gemv_rope", x, w, grid, (ptr_or_null(bias), positions, cos, sin, q_out, k_ptrs, v_ptrs, i64(layer_offset),
+                                      i32(num_heads), i32(num_kv_heads)), pdl, None, HEAD_DIM=head_dim)
+    return q_out

@@ -29,8 +29,8 @@ extern "C" __global__ void rope_kv_write(
     const int pos = positions[t];
     const float *c = cos_table + (long long)pos * HALF;
     const float *s = sin_table + (long long)pos * HALF;
-    scalar_t *k_dst = reinterpret_cast<scalar_t *>(k_ptrs[t]) + layer_offset + (long long)pos * num_kv_heads * HEAD_DIM;
-    scalar_t *v_dst = reinterpret_cast<scalar_t *>(v_ptrs[t]) + layer_offset + (long long)pos * num_kv_heads * HEAD_DIM;
+    scalar_t *k_dst = kv_row(k_ptrs, t, layer_offset, pos, num_kv_heads * HEAD_DIM);
+    scalar_t *v_dst = kv_row(v_ptrs, t, layer_offset, pos, num_kv_heads * HEAD_DIM);
     const int rot_pairs = (num_heads + num_kv_heads) * HALF;
     for (int i = threadIdx.x; i < rot_pairs; i += blockDim.x) {
         const int head = i / HALF, j = i % HALF;
@@ -40,8 +40,8 @@ extern "C" __global__ void rope_kv_write(
             x1 += bias[base + j];
             x2 += bias[base + j + HALF];
         }
-        const float o1 = x1 * c[j] - x2 * s[j];
-        const float o2 = x2 * c[j] + x1 * s[j];
+        float o1, o2;
+        rope_rotate(x1, x2, c[j], s[j], o1, o2);
         if (head < num_heads) {
             q_out[t * num_heads * HEAD_DIM + base + j] = from_float(o1);
             q_out[t * num_heads * HEAD_DIM + base + j + HALF] = from_float(o2);

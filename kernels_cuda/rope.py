@@ -8,6 +8,23 @@ import numpy as np
 from ._module import check, check_scalar, i32, i64, launch, module, ptr_or_null, use_bf16
 
 
+def check_rope_args(T: int, width: int, positions: cp.ndarray, cos: cp.ndarray, sin: cp.ndarray,
+                    k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, q_out: cp.ndarray, num_heads: int, head_dim: int,
+                    bias: cp.ndarray | None) -> None:
+    """The checks rope_kv_write and the fused QKV product (gemv.gemv_rope) share."""
+    check(positions, "positions", np.int32, (T,))
+    check(cos, "cos", np.float32)
+    check(sin, "sin", np.float32, cos.shape)
+    if cos.ndim != 2 or cos.shape[1] != head_dim // 2:
+        raise ValueError(f"cos: expected (max_len, {head_dim // 2}), got {cos.shape}")
+    check(k_ptrs, "k_ptrs", np.int64, (T,))
+    check(v_ptrs, "v_ptrs", np.int64, (T,))
+    check_scalar(q_out, "q_out")
+    check(q_out, "q_out", q_out.dtype, (T, num_heads, head_dim))
+    if bias is not None:
+        check(bias, "bias", np.float32, (width,))
+
+
 def rope_kv_write(qkv: cp.ndarray, positions: cp.ndarray, cos: cp.ndarray, sin: cp.ndarray,
                   k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, layer_offset: int, num_heads: int, num_kv_heads: int,
                   head_dim: int, q_out: cp.ndarray, bias: cp.ndarray | None = None, pdl: bool = False) -> cp.ndarray:
@@ -21,17 +38,7 @@ def rope_kv_write(qkv: cp.ndarray, positions: cp.ndarray, cos: cp.ndarray, sin: 
     T = qkv.shape[0]
     width = (num_heads + 2 * num_kv_heads) * head_dim
     check(qkv, "qkv", np.float32, (T, width))
-    check(positions, "positions", np.int32, (T,))
-    check(cos, "cos", np.float32)
-    check(sin, "sin", np.float32, cos.shape)
-    if cos.ndim != 2 or cos.shape[1] != head_dim // 2:
-        raise ValueError(f"cos: expected (max_len, {head_dim // 2}), got {cos.shape}")
-    check(k_ptrs, "k_ptrs", np.int64, (T,))
-    check(v_ptrs, "v_ptrs", np.int64, (T,))
-    check_scalar(q_out, "q_out")
-    check(q_out, "q_out", q_out.dtype, (T, num_heads, head_dim))
-    if bias is not None:
-        check(bias, "bias", np.float32, (width,))
+    check_rope_args(T, width, positions, cos, sin, k_ptrs, v_ptrs, q_out, num_heads, head_dim, bias)
     if T:
         launch(module("rope", USE_BF16=use_bf16(q_out), HEAD_DIM=head_dim).get_function("rope_kv_write"),
                (T,), (256,), (qkv, ptr_or_null(bias), positions, cos, sin, q_out, k_ptrs, v_ptrs, i64(layer_offset),

@@ -53,12 +53,13 @@ def test_embedding(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_and_fused_add(dtype):
+@pytest.mark.parametrize("hidden", [1000, 1002, 9000])  # in registers; not a multiple of 4; longer than they hold
+def test_rms_norm_and_fused_add(dtype, hidden):
     from kernels_cuda.rmsnorm import add_rms_norm, rms_norm
-    x = rng.standard_normal((7, 1000)).astype(np.float32)
-    d = rng.standard_normal((7, 1000)).astype(np.float32)
-    w = rng.standard_normal(1000).astype(np.float32)
-    bias = rng.standard_normal(1000).astype(np.float32)
+    x = rng.standard_normal((7, hidden)).astype(np.float32)
+    d = rng.standard_normal((7, hidden)).astype(np.float32)
+    w = rng.standard_normal(hidden).astype(np.float32)
+    bias = rng.standard_normal(hidden).astype(np.float32)
     odt = np.uint16 if dtype == "bfloat16" else np.float16
 
     def ref(v):
@@ -155,6 +156,55 @@ def test_gemv_configs(config, B):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B", [1, 5, 12])
+def test_gemv_silu_is_gemv_then_silu_mul(dtype, B):
+    """The gate/up product with SiLU * up in its epilogue gives the bits of the two kernels."""
+    from kernels_cuda.activation import silu_mul
+    from kernels_cuda.gemv import gemv, gemv_silu
+    inter, K = 92, 264  # 23 blocks of 4 features
+    x = to_dev(rng.standard_normal((B, K)).astype(np.float32), dtype)
+    w = to_dev(rng.standard_normal((2 * inter, K)).astype(np.float32) * 0.2, dtype)
+    fused = gemv_silu(x, w, cp.zeros((B, inter), w.dtype))
+    separate = silu_mul(gemv(x, w), out_dtype=w.dtype)
+    np.testing.assert_array_equal(cp.asnumpy(fused), cp.asnumpy(separate))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("B", [1, 11])
+def test_gemv_rope_is_gemv_then_rope_kv_write(dtype, head_dim, B):
+    """The QKV product with RoPE and the K/V write in its epilogue gives the bits of the two
+    kernels: q, and the cache (other slots and layers untouched)."""
+    from kernels_cuda.gemv import gemv, gemv_rope
+    from kernels_cuda.rope import rope_kv_write
+    H, KVH, K, layers, layer = 6, 2, 136, 2, 1
+    width = (H + 2 * KVH) * head_dim
+    x = to_dev(rng.standard_normal((B, K)).astype(np.float32), dtype)
+    w = to_dev(rng.standard_normal((width, K)).astype(np.float32) * 0.2, dtype)
+    bias = cp.asarray(rng.standard_normal(width).astype(np.float32))
+    pos = cp.asarray(rng.integers(0, 30, B).astype(np.int32))
+    ang = np.arange(32)[:, None] / 10000 ** (np.arange(0, head_dim, 2) / head_dim)[None]
+    cos, sin = cp.asarray(np.cos(ang).astype(np.float32)), cp.asarray(np.sin(ang).astype(np.float32))
+    slots = B * 32
+    results = []
+    for run in ("fused", "separate"):
+        kc = cp.zeros((layers, slots, KVH, head_dim), w.dtype)
+        vc = cp.zeros_like(kc)
+        starts = cp.arange(B, dtype=cp.int64) * 32 * KVH * head_dim * 2
+        kp, vp = kc.data.ptr + starts, vc.data.ptr + starts
+        q = cp.zeros((B, H, head_dim), w.dtype)
+        args = (pos, cos, sin, kp, vp, layer * slots * KVH * head_dim, H, KVH)
+        if run == "fused":
+            gemv_rope(x, w, *args, q, bias=bias)
+        else:
+            rope_kv_write(gemv(x, w), *args, head_dim, q, bias=bias)
+        results.append([cp.asnumpy(a) for a in (q, kc, vc)])
+    for fused, separate in zip(*results):
+        np.testing.assert_array_equal(fused, separate)
+    assert results[0][1][layer].any() and not results[0][1][0].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_gemm(dtype):
     from kernels_cuda.gemm import gemm
     x = rng.standard_normal((37, 200)).astype(np.float32)
@@ -196,7 +246,7 @@ def make_cache(dtype, layers, slots, KVH, D):
 @pytest.mark.parametrize("window", [0, 300])
 def test_flash_decode(dtype, head_dim, heads, kv_heads, window):
     from kernels_cuda.flash_decode import flash_decode
-    kv_lens = np.array([1, 17, 300, 5000, 0], np.int32)  # 5000: 20 splits of 256; 0: a padding row
+    kv_lens = np.array([1, 17, 300, 5000, 0], np.int32)  # 5000: 20 splits of 256; 0: a padding row (untouched)
     starts = np.array([0, 10, 100, 500, 0])
     layers, layer, slots = 2, 1, 5600
     kc, vc, dk, dv = make_cache(dtype, layers, slots, kv_heads, head_dim)
@@ -206,10 +256,16 @@ def test_flash_decode(dtype, head_dim, heads, kv_heads, window):
     kp = cp.asarray(dk.data.ptr + starts * slot_bytes, dtype=cp.int64)
     vp = cp.asarray(dv.data.ptr + starts * slot_bytes, dtype=cp.int64)
     S = 24
-    out = cp.zeros((B, heads, head_dim), dk.dtype)
-    flash_decode(to_dev(q, dtype), kp, vp, cp.asarray(kv_lens), layer * slots * kv_heads * head_dim, kv_heads,
-                 cp.zeros((B, heads, S, head_dim), np.float32), cp.zeros((B, heads, S, 2), np.float32), out,
-                 1 / np.sqrt(head_dim), chunk=256, window=window)
+    counters = cp.zeros((B, kv_heads), np.int32)
+    outs = []
+    for _ in range(2):  # the last block of each (row, KV head) combines and leaves its counter at 0
+        out = cp.zeros((B, heads, head_dim), dk.dtype)
+        flash_decode(to_dev(q, dtype), kp, vp, cp.asarray(kv_lens), layer * slots * kv_heads * head_dim, kv_heads,
+                     cp.zeros((B, heads, S, head_dim), np.float32), cp.zeros((B, heads, S, 2), np.float32), counters,
+                     out, 1 / np.sqrt(head_dim), chunk=256, window=window)
+        assert not counters.any()
+        outs.append(cp.asnumpy(out))
+    np.testing.assert_array_equal(outs[0], outs[1])
     got = from_dev(out)
     kr, vr, qr = rounded(kc, dtype), rounded(vc, dtype), rounded(q, dtype)
     for b in range(B):

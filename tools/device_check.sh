@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU checks on a lent device machine (the device tool runs this in the repo root).
 #   stage 1: install the carried wheels (.whl/), keep part 1 of SmolLM2 (.devpart/) in /tmp/cuserve_store,
-#            kernel tests and the tiny-model runner tests
+#            kernel tests and the tiny-model runner tests; GRAPHS=1: decode graph timings; SWEEP=1: those,
+#            the skinny-GEMM sweep, prefill attention alone and TTFT; PROFILE=1: per-kernel times (ncu)
 #   stage 2: assemble SmolLM2 from the stored and carried parts; runner, engine and server tests on the GPU
 #            and the SmolLM2 decode benchmark (TESTS=0 skips these); FULL_BENCH=1, LOAD=1: the benchmarks
 # Logs go to $OUT (the tool brings them back); a summary table is printed last.
@@ -32,15 +33,27 @@ print(cupy.cuda.runtime.getDeviceProperties(0)['name'])" >> "$OUT/env.log" 2>&1
             | grep -E "error|Compiling entry|registers|spill" ; done > "$OUT/ptxas.log" 2>&1
     run kernels timeout 420 python3 -m pytest -q -rf tests/test_kernels_gpu.py
     run runner_tiny timeout 170 python3 -m pytest -q -rf -s tests/test_cuda_runner.py -k "tiny or long_context"
-    if [ "${SWEEP:-0}" = 1 ]; then  # skinny-GEMM shapes, prefill attention alone, decode graphs (PDL variants), TTFT
+    if [ "${SWEEP:-0}" = 1 ]; then  # skinny-GEMM shapes, prefill attention alone, TTFT
         run sweep_8b timeout 300 python3 bench/kernels.py --shape llama3-8b --batch 1,8,16 --gemv-sweep \
             --attention 512,2048,8192
-        run graph_8b timeout 300 python3 bench/kernels.py --shape llama3-8b --batch 1,8,16,64 --skip-matmul
-        run graph_smollm2 timeout 200 python3 bench/kernels.py --shape smollm2-135m --batch 1,8,64 --skip-matmul
         run prefill_8b timeout 200 python3 bench/prefill.py --model random:llama3-8b --json "$OUT/prefill_8b.json"
         grep -hE "attention|step matmuls" "$OUT"/sweep_8b.log | cut -c1-72
-        grep -h "graph" "$OUT"/graph_*.log | sed 's/ (.*execute/ execute/'
         tail -n 9 "$OUT/prefill_8b.log"
+    fi
+    if [ "${SWEEP:-0}" = 1 ] || [ "${GRAPHS:-0}" = 1 ]; then  # decode graphs alone (PDL on and off)
+        run graph_8b timeout 300 python3 bench/kernels.py --shape llama3-8b --batch 1,8,16,64,128 --skip-matmul
+        run graph_smollm2 timeout 200 python3 bench/kernels.py --shape smollm2-135m --batch 1,8,64 --skip-matmul
+        grep -h "graph" "$OUT"/graph_*.log | sed 's/ (.*execute/ execute/'
+    fi
+    if [ "${PROFILE:-0}" = 1 ]; then  # per-kernel times of one decode graph (ncu, kernels one at a time)
+        for spec in llama3-8b:1 llama3-8b:128 smollm2-135m:1; do
+            shape=${spec%%:*}; b=${spec#*:}
+            timeout 300 ncu --profile-from-start off --graph-profiling node --csv --print-units base \
+                --metrics gpu__time_duration.sum,dram__bytes_read.sum \
+                python3 bench/kernels.py --shape "$shape" --batch "$b" --profile > "$OUT/ncu_${shape}_$b.csv" 2>&1
+            echo "== $shape B=$b"
+            python3 bench/kernels.py --ncu-summary "$OUT/ncu_${shape}_$b.csv" 2>&1 | head -n 16
+        done
     fi
 else
     model=$store/cache/models/SmolLM2-135M-Instruct.Q4_1.gguf

@@ -22,11 +22,12 @@ import numpy as np
 
 from kernels_cuda.activation import silu_mul
 from kernels_cuda.embedding import embedding
+from kernels_cuda.flash_decode import MAX_SPLITS as FLASH_MAX_SPLITS
 from kernels_cuda.flash_decode import flash_decode
 from kernels_cuda.flash_prefill import flash_prefill, tiles
 from kernels_cuda.gemm import gemm
 from kernels_cuda.gemv import MAX_ROWS as GEMV_MAX_ROWS
-from kernels_cuda.gemv import gemv
+from kernels_cuda.gemv import gemv, gemv_rope, gemv_silu
 from kernels_cuda._module import pdl_supported
 from kernels_cuda.rmsnorm import add_rms_norm, rms_norm
 from kernels_cuda.rope import rope_kv_write
@@ -48,10 +49,13 @@ MAX_BANNED = MAX_STOP_TOKEN_IDS + 8  # stop_token_ids + eos ids while min_tokens
 GRAPH_RESERVE_BYTES = 512 << 20  # left free for cuBLAS workspaces and graph instantiation
 
 
-def decode_chunk(max_model_len: int, max_splits: int = 64) -> int:
-    """Keys per flash-decode split: 256, grown (in steps of 64) so that at most
-    `max_splits` splits cover the longest context."""
-    return max(256, -(-max_model_len // (max_splits * 64)) * 64)
+def decode_chunk(max_model_len: int, rows: int, max_splits: int = FLASH_MAX_SPLITS) -> int:
+    """Keys per flash-decode split for a step of `rows` rows: short chunks for few rows, so
+    that a short context still spreads over many blocks (B=1, 8 KV heads, 512 keys: 64
+    blocks of 64 keys rather than 16 of 256, each a serial chain of rounds), 256 from 32
+    rows on; grown in steps of 64 so that at most `max_splits` splits cover the longest context."""
+    preferred = 64 if rows <= 4 else 128 if rows <= 16 else 256
+    return max(preferred, -(-max_model_len // (max_splits * 64)) * 64)
 
 
 def bucket_for(n: int) -> int:
@@ -137,8 +141,9 @@ class DecodeBuffers:
     final_norm_out: cp.ndarray  # (R, hidden) 16-bit
     logits: cp.ndarray  # (R, vocab) f32
     sample_work: cp.ndarray  # (R, vocab) f32 processed logits of rows with penalties / bias
-    part_o: cp.ndarray  # (R, heads, max_splits, head_dim) f32 flash-decode partial outputs
-    part_ml: cp.ndarray  # (R, heads, max_splits, 2) f32 their max and sum
+    part_o: cp.ndarray  # flat f32 flash-decode partial outputs, (rows, heads, splits, head_dim) per bucket
+    part_ml: cp.ndarray  # flat f32 their max and sum, (rows, heads, splits, 2)
+    attn_counters: cp.ndarray  # (R, kv_heads) int32 split blocks done per (row, KV head), 0 between steps
     sampled: cp.ndarray  # (R,) int32
     lp_value: cp.ndarray  # (R,) f32
     lp_rank: cp.ndarray  # (R,) int32
@@ -193,8 +198,14 @@ class CudaRunner:
         self.max_model_len = sched.model_len(cfg)
         self.rows = bucket_for(sched.max_num_seqs)  # decode rows, a bucket
         self.max_tokens = max(sched.max_num_batched_tokens, self.rows)
-        self.chunk = decode_chunk(self.max_model_len)
-        self.max_splits = -(-self.max_model_len // self.chunk)
+        # flash-decode split plan per graph bucket: (keys per split, splits)
+        self.splits = {}
+        for bucket in BUCKETS:
+            chunk = decode_chunk(self.max_model_len, bucket)
+            self.splits[bucket] = (chunk, -(-self.max_model_len // chunk))
+            if bucket >= self.rows:
+                break
+        self.max_splits = max(s for _, s in self.splits.values())
 
         with self.stream:
             if isinstance(weights, ModelWeights):
@@ -263,6 +274,7 @@ class CudaRunner:
         cfg, R, A = self.config, self.rows, self.max_tokens
         H, D, V = cfg.num_heads, cfg.head_dim, cfg.vocab_size
         s = self.scalar
+        parts = max(min(bucket, R) * H * splits for bucket, (_, splits) in self.splits.items())
         fields = {
             "input_ids": (np.int32, ()), "positions": (np.int32, ()), "kv_lens": (np.int32, ()),
             "k_ptrs": (np.int64, ()), "v_ptrs": (np.int64, ()),
@@ -289,8 +301,9 @@ class CudaRunner:
             final_norm_out=cp.zeros((R, cfg.hidden_size), s),
             logits=cp.zeros((R, V), np.float32),
             sample_work=cp.zeros((R, V), np.float32),
-            part_o=cp.zeros((R, H, self.max_splits, D), np.float32),
-            part_ml=cp.zeros((R, H, self.max_splits, 2), np.float32),
+            part_o=cp.zeros(parts * D, np.float32),
+            part_ml=cp.zeros(parts * 2, np.float32),
+            attn_counters=cp.zeros((R, cfg.num_kv_heads), np.int32),
             sampled=cp.zeros(R, np.int32),
             lp_value=cp.zeros(R, np.float32),
             lp_rank=cp.zeros(R, np.int32),
@@ -354,25 +367,56 @@ class CudaRunner:
         else:
             gemm(x, w, out)
 
-    def _layers(self, n: int, attention) -> None:
+    def _fused(self, n: int) -> bool:
+        """Steps of up to GEMV_MAX_ROWS rows run the skinny GEMM with RoPE + K/V write in the
+        QKV product's epilogue and SiLU * up in the gate/up product's (same bits, 3 fewer
+        kernels a layer); larger steps run cuBLAS and the separate kernels."""
+        cfg = self.config
+        return n <= GEMV_MAX_ROWS and cfg.intermediate_size % 4 == 0 and cfg.head_dim % 8 == 0
+
+    def _layers(self, n: int, rope: tuple, attention) -> None:
         """The decoder layers over the first n rows of the activation buffers; the
-        residual stream ends un-added (the last down projection is added by the caller)."""
+        residual stream ends un-added (the last down projection is added by the caller).
+        rope: (positions, k_ptrs, v_ptrs) of the n tokens; attention(layer_offset) reads q_rot
+        and writes attn_out."""
         cfg, b, w = self.config, self.buffers, self.weights
         eps = cfg.rms_norm_eps
+        fused = self._fused(n)
+        positions, k_ptrs, v_ptrs = rope
         for i, layer in enumerate(w.layers):
             if i == 0:
                 rms_norm(b.embed_out[:n], layer.input_layernorm, eps, out=b.norm_out[:n], pdl=self.pdl)
             else:
                 add_rms_norm(b.embed_out[:n], b.down_out[:n], layer.input_layernorm, eps, out=b.norm_out[:n],
                              pdl=self.pdl)
-            self._linear(b.norm_out[:n], layer.qkv_proj, b.qkv_out[:n])
-            attention(i, layer)
+            offset = i * self._layer_elems
+            rope_in = (positions, self.rope_cos, self.rope_sin, k_ptrs, v_ptrs, offset, cfg.num_heads, cfg.num_kv_heads)
+            if fused:
+                gemv_rope(b.norm_out[:n], layer.qkv_proj, *rope_in, b.q_rot[:n], bias=layer.qkv_bias, pdl=self.pdl)
+            else:
+                self._linear(b.norm_out[:n], layer.qkv_proj, b.qkv_out[:n])
+                rope_kv_write(b.qkv_out[:n], *rope_in, cfg.head_dim, b.q_rot[:n], bias=layer.qkv_bias, pdl=self.pdl)
+            attention(offset)
             self._linear(b.attn_out[:n].reshape(n, cfg.q_size), layer.o_proj, b.o_proj_out[:n])
             add_rms_norm(b.embed_out[:n], b.o_proj_out[:n], layer.post_attention_layernorm, eps,
                          out=b.norm_out[:n], bias=layer.o_bias, pdl=self.pdl)
-            self._linear(b.norm_out[:n], layer.gate_up_proj, b.gate_up_out[:n])
-            silu_mul(b.gate_up_out[:n], out=b.mlp_act[:n], pdl=self.pdl)
+            if fused:
+                gemv_silu(b.norm_out[:n], layer.gate_up_proj, b.mlp_act[:n], pdl=self.pdl)
+            else:
+                self._linear(b.norm_out[:n], layer.gate_up_proj, b.gate_up_out[:n])
+                silu_mul(b.gate_up_out[:n], out=b.mlp_act[:n], pdl=self.pdl)
             self._linear(b.mlp_act[:n], layer.down_proj, b.down_out[:n])
+
+    def _decode_attention(self, n: int, q: cp.ndarray, k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, kv_lens: cp.ndarray,
+                          offset: int) -> None:
+        """Split-KV attention of n one-token rows, with the split plan of their bucket."""
+        cfg, b = self.config, self.buffers
+        chunk, splits = self.splits[bucket_for(n)]
+        H, D = cfg.num_heads, cfg.head_dim
+        part_o = b.part_o[:n * H * splits * D].reshape(n, H, splits, D)
+        part_ml = b.part_ml[:n * H * splits * 2].reshape(n, H, splits, 2)
+        flash_decode(q, k_ptrs, v_ptrs, kv_lens, offset, cfg.num_kv_heads, part_o, part_ml, b.attn_counters[:n],
+                     b.attn_out[:n], cfg.softmax_scale, chunk, cfg.sliding_window or 0, pdl=self.pdl)
 
     def _sample(self, n: int) -> None:
         b, d = self.buffers, self.buffers.inputs.dev
@@ -386,16 +430,10 @@ class CudaRunner:
         d = b.inputs.dev
         embedding(d["input_ids"][:n], w.embed_tokens, b.embed_out[:n], pdl=self.pdl)
 
-        def attention(i: int, layer) -> None:
-            offset = i * self._layer_elems
-            rope_kv_write(b.qkv_out[:n], d["positions"][:n], self.rope_cos, self.rope_sin, d["k_ptrs"][:n],
-                          d["v_ptrs"][:n], offset, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                          b.q_rot[:n], bias=layer.qkv_bias, pdl=self.pdl)
-            flash_decode(b.q_rot[:n], d["k_ptrs"][:n], d["v_ptrs"][:n], d["kv_lens"][:n], offset, cfg.num_kv_heads,
-                         b.part_o[:n], b.part_ml[:n], b.attn_out[:n], cfg.softmax_scale, self.chunk,
-                         cfg.sliding_window or 0, pdl=self.pdl)
+        def attention(offset: int) -> None:
+            self._decode_attention(n, b.q_rot[:n], d["k_ptrs"][:n], d["v_ptrs"][:n], d["kv_lens"][:n], offset)
 
-        self._layers(n, attention)
+        self._layers(n, (d["positions"][:n], d["k_ptrs"][:n], d["v_ptrs"][:n]), attention)
         add_rms_norm(b.embed_out[:n], b.down_out[:n], w.norm, cfg.rms_norm_eps, out=b.final_norm_out[:n],
                      pdl=self.pdl)
         self._linear(b.final_norm_out[:n], w.lm_head, b.logits[:n])
@@ -611,21 +649,16 @@ class CudaRunner:
 
             window = cfg.sliding_window or 0
             decode_args = (b.q_rot[:nd], dev["seq_k"][:nd], dev["seq_v"][:nd], dev["kv_len"][:nd])
-            decode_out = (b.part_o[:nd], b.part_ml[:nd], b.attn_out[:nd])
             prefill_seqs = tuple(dev[name][nd:] for name in ("q_start", "q_len", "kv_len", "seq_k", "seq_v"))
 
-            def attention(i: int, layer) -> None:
-                offset = i * self._layer_elems
-                rope_kv_write(b.qkv_out[:T], dev["tok_pos"], self.rope_cos, self.rope_sin, dev["tok_k"], dev["tok_v"],
-                              offset, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, b.q_rot[:T], bias=layer.qkv_bias)
+            def attention(offset: int) -> None:
                 if nd:
-                    flash_decode(*decode_args, offset, cfg.num_kv_heads, *decode_out, cfg.softmax_scale, self.chunk,
-                                 window)
+                    self._decode_attention(nd, *decode_args, offset)
                 if nd < len(rows):
                     flash_prefill(b.q_rot[:T], dev["tile_seq"], dev["tile_q0"], *prefill_seqs, offset,
                                   cfg.num_kv_heads, cfg.softmax_scale, b.attn_out[:T], window)
 
-            self._layers(T, attention)
+            self._layers(T, (dev["tok_pos"], dev["tok_k"], dev["tok_v"]), attention)
             add_rms_norm(b.embed_out[:T], b.down_out[:T], w.norm, cfg.rms_norm_eps, out=b.norm_out[:T])
             result = RunnerOutput()
             prompt_rows = [i for i, r in enumerate(rows) if r.want_prompt_logprobs]
