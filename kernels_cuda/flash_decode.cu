@@ -1,19 +1,22 @@
-// Flash decoding (split-KV) for one query token per sequence, GQA-aware.
+// Flash decoding (split-KV) for one query token per sequence, GQA-aware, on the tensor cores.
 //
 // flash_decode_chunk: grid (max_splits, kv_heads, B). Each block takes CHUNK keys of
 // one sequence for the GROUP query heads that share a KV head, and writes an
 // unnormalised partial output with its max and sum. The grid is static (graph-safe):
 // lengths and pointers come from device arrays, and splits past a sequence's length
-// (or a padding row's length 0) exit at once. K/V stream through a ring of STAGES
-// rounds per thread in shared memory, filled by cp.async, so STAGES - 1 rounds of loads
-// are in flight while one is used (each thread reads back only what it copied: no
-// barrier); the ring's memory is reused for the block's final combine.
-// The last of a row's non-empty split blocks of a KV head to finish (a counter per pair,
-// back to 0 after) combines the partials into the output: no separate reduce kernel.
+// (or a padding row's length 0) exit at once.
 //
-// -DHEAD_DIM (multiple of 8, <= 256), -DGROUP (query heads per KV head), -DCHUNK.
-// KV pool layout: (layers, slots, kv_heads, HEAD_DIM); row b's keys start at
-// k_ptrs[b] + layer_offset (elements).
+// The GROUP heads of the token are the rows of a 16-row query tile (rows past GROUP are
+// zero), so scores and the P V product run on mma.sync like the prefill kernel: K/V tiles
+// of KEYS keys stream through shared memory, double-buffered with cp.async, and each of
+// the 4 warps takes 16 keys of a tile with its own running max, sum and output in
+// registers; the warps are combined at the end. The last of a row's non-empty split
+// blocks of a KV head to finish (a counter per pair, back to 0 after) combines the
+// partials into the output: no separate reduce kernel. Maxima are in the log2 domain.
+//
+// -DHEAD_DIM (multiple of 16), -DGROUP (query heads per KV head, <= 16), -DCHUNK
+// (multiple of KEYS). Dynamic shared memory: flash_decode.smem_bytes(). KV pool layout:
+// (layers, slots, kv_heads, HEAD_DIM); row b's keys start at k_ptrs[b] + layer_offset.
 #include "common.cuh"
 
 #ifndef HEAD_DIM
@@ -26,118 +29,19 @@
 #define CHUNK 256
 #endif
 #define THREADS 128
-#define TPT (HEAD_DIM / 8)       // threads per key: 8 dims each, one 16-byte load
-#define GROUPS (THREADS / TPT)   // keys per round of the block
-#define STAGES 8                 // rounds of K/V a thread keeps in its ring
+#define WARPS 4
+#define KEYS 64                 // keys per tile, 16 per warp
+#define LDS (HEAD_DIM + 8)      // shared row stride (elements), as in flash_prefill
+#define MAX_SPLITS 64           // flash_decode.py keeps the grid's splits within this
 
-#define MAX_SPLITS 64             // flash_decode.py keeps the grid's splits within this
-
-union ChunkShared {
-    uint4 ring[STAGES][2][THREADS];  // K, V: one 16-byte piece per thread per round
-    struct {
-        float m[GROUPS][GROUP], l[GROUPS][GROUP], acc[GROUPS][GROUP][HEAD_DIM];
-    } red;
-    struct {
-        float w[GROUP][MAX_SPLITS], inv_l[GROUP];  // each split's weight exp(m_s - M), 1 / sum
-    } comb;
-};
+constexpr int KSTEPS = HEAD_DIM / 16;  // k steps of q K^T
+constexpr int OTILES = HEAD_DIM / 8;   // 8-wide column tiles of the output
+constexpr int VEC = HEAD_DIM / 8;      // 16-byte groups per row
+static_assert(GROUP <= 16, "a query tile holds 16 heads");
+static_assert(CHUNK % KEYS == 0, "CHUNK must be a multiple of KEYS");
 
 __device__ __forceinline__ int window_start(int kv_len, int window) {
     return window > 0 && kv_len > window ? kv_len - window : 0;
-}
-
-// One block's keys [start, end) for the GROUP heads at h0: partial output and its max, sum.
-__device__ __forceinline__ void chunk_partial(const scalar_t *__restrict__ q, const scalar_t *kb, const scalar_t *vb,
-                                              long long kv_stride, int start, int end, int b, int h0, int num_heads,
-                                              float scale, float *po, float *pml, long long head_stride,
-                                              int max_splits, ChunkShared &sh) {
-    const int tid = threadIdx.x, grp = tid / TPT, sub = tid % TPT;
-    float qf[GROUP][8];
-#pragma unroll
-    for (int g = 0; g < GROUP; g++) {
-        const uint4 raw = *reinterpret_cast<const uint4 *>(q + ((long long)b * num_heads + h0 + g) * HEAD_DIM + sub * 8);
-        vec8_to_float(*reinterpret_cast<const vec8 *>(&raw), qf[g]);
-#pragma unroll
-        for (int i = 0; i < 8; i++) qf[g][i] *= scale;
-    }
-    float m[GROUP], l[GROUP], acc[GROUP][8];
-#pragma unroll
-    for (int g = 0; g < GROUP; g++) {
-        m[g] = NEG_INF;
-        l[g] = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 8; i++) acc[g][i] = 0.0f;
-    }
-    kb += sub * 8;
-    vb += sub * 8;
-    const int rounds = (end - start + GROUPS - 1) / GROUPS;
-    auto issue = [&](int i) {  // round i: key start + i * GROUPS + grp, zeros past the end
-        if (i < rounds) {
-            const int t = start + i * GROUPS + grp;
-            const long long off = (long long)(t < end ? t : start) * kv_stride;
-            cp_async16(&sh.ring[i % STAGES][0][tid], kb + off, t < end);
-            cp_async16(&sh.ring[i % STAGES][1][tid], vb + off, t < end);
-        }
-        cp_async_commit();
-    };
-#pragma unroll
-    for (int i = 0; i < STAGES - 1; i++) issue(i);
-    // every lane of a warp runs the same number of rounds (the shuffles need the whole
-    // warp); a group whose key is past the end does the arithmetic and drops it
-    for (int r = 0; r < rounds; r++) {
-        issue(r + STAGES - 1);
-        cp_async_wait<STAGES - 1>();  // round r has landed
-        const bool live = start + r * GROUPS + grp < end;
-        const uint4 kraw = sh.ring[r % STAGES][0][tid], vraw = sh.ring[r % STAGES][1][tid];
-        float kf[8], vf[8];
-        vec8_to_float(*reinterpret_cast<const vec8 *>(&kraw), kf);
-        vec8_to_float(*reinterpret_cast<const vec8 *>(&vraw), vf);
-#pragma unroll
-        for (int g = 0; g < GROUP; g++) {
-            float dot = 0.0f;
-#pragma unroll
-            for (int i = 0; i < 8; i++) dot += qf[g][i] * kf[i];
-#pragma unroll
-            for (int o = TPT / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-            if (!live) continue;
-            const float m_new = fmaxf(m[g], dot);
-            const float corr = __expf(m[g] - m_new);
-            const float p = __expf(dot - m_new);
-            l[g] = l[g] * corr + p;
-#pragma unroll
-            for (int i = 0; i < 8; i++) acc[g][i] = acc[g][i] * corr + p * vf[i];
-            m[g] = m_new;
-        }
-    }
-    // combine the key groups of the block (in the ring's memory, once everyone is done with it)
-    cp_async_wait<0>();
-    __syncthreads();
-#pragma unroll
-    for (int g = 0; g < GROUP; g++) {
-        if (sub == 0) {
-            sh.red.m[grp][g] = m[g];
-            sh.red.l[grp][g] = l[g];
-        }
-#pragma unroll
-        for (int i = 0; i < 8; i++) sh.red.acc[grp][g][sub * 8 + i] = acc[g][i];
-    }
-    __syncthreads();
-    for (int i = tid; i < GROUP * HEAD_DIM; i += THREADS) {
-        const int g = i / HEAD_DIM, d = i % HEAD_DIM;
-        float M = NEG_INF;
-        for (int j = 0; j < GROUPS; j++) M = fmaxf(M, sh.red.m[j][g]);
-        float O = 0.0f, L = 0.0f;
-        for (int j = 0; j < GROUPS; j++) {
-            const float w = sh.red.m[j][g] == NEG_INF ? 0.0f : __expf(sh.red.m[j][g] - M);
-            O += sh.red.acc[j][g][d] * w;
-            L += sh.red.l[j][g] * w;
-        }
-        po[(long long)g * head_stride + d] = O;
-        if (d == 0) {
-            pml[(long long)g * max_splits * 2] = M;
-            pml[(long long)g * max_splits * 2 + 1] = L;
-        }
-    }
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS) flash_decode_chunk(
@@ -147,7 +51,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_decode_chunk(
     const int *__restrict__ kv_lens,        // (B)
     long long layer_offset,
     float *__restrict__ part_o,             // (B, H, max_splits, HEAD_DIM)
-    float *__restrict__ part_ml,            // (B, H, max_splits, 2): max, sum
+    float *__restrict__ part_ml,            // (B, H, max_splits, 2): max (log2 domain), sum
     int *__restrict__ counters,             // (B, kv_heads), zero between launches
     scalar_t *__restrict__ out,             // (B, H, HEAD_DIM)
     int num_heads, int num_kv_heads, int max_splits, int window, float scale) {
@@ -157,22 +61,169 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_decode_chunk(
     const int first = window_start(kv_len, window);
     const int start = first + split * CHUNK;
     const int end = min(kv_len, start + CHUNK);
-    const int tid = threadIdx.x;
+    if (start >= end) return;  // past this row's keys (a padding row has none)
+    const int splits = min(max_splits, (kv_len - first + CHUNK - 1) / CHUNK);
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, qd = lane & 3;
     const int h0 = kvh * GROUP;
     const long long head_stride = (long long)max_splits * HEAD_DIM;
     const long long row0 = (long long)b * num_heads + h0;  // (row, head) of the group's first head
+
+    extern __shared__ __align__(128) unsigned char smem[];
+    scalar_t *sQ = reinterpret_cast<scalar_t *>(smem);  // 16 x LDS
+    scalar_t *sK = sQ + 16 * LDS;                        // 2 x KEYS x LDS
+    scalar_t *sV = sK + 2 * KEYS * LDS;                  // 2 x KEYS x LDS
+
+    for (int i = tid; i < 16 * VEC; i += THREADS) {
+        const int r = i / VEC, c = (i % VEC) * 8;
+        const bool ok = r < GROUP;
+        cp_async16(sQ + r * LDS + c, q + (row0 + (ok ? r : 0)) * HEAD_DIM + c, ok);
+    }
+    cp_async_commit();
+    const long long kv_stride = (long long)num_kv_heads * HEAD_DIM;
+    const scalar_t *kb = reinterpret_cast<const scalar_t *>(k_ptrs[b]) + layer_offset + kvh * HEAD_DIM;
+    const scalar_t *vb = reinterpret_cast<const scalar_t *>(v_ptrs[b]) + layer_offset + kvh * HEAD_DIM;
+    const int n_tiles = (end - start + KEYS - 1) / KEYS;
+    auto load_kv = [&](int t) {
+        const int n0 = start + t * KEYS;
+        scalar_t *dk = sK + (t & 1) * KEYS * LDS, *dv = sV + (t & 1) * KEYS * LDS;
+        for (int i = tid; i < KEYS * VEC; i += THREADS) {
+            const int r = i / VEC, c = (i % VEC) * 8, key = n0 + r;
+            const bool ok = key < end;  // keys past the end are zeros (never NaN times 0 in P V)
+            const long long off = (long long)(ok ? key : start) * kv_stride + c;
+            cp_async16(dk + r * LDS + c, kb + off, ok);
+            cp_async16(dv + r * LDS + c, vb + off, ok);
+        }
+    };
+    load_kv(0);
+    cp_async_commit();
+    cp_async_wait<1>();  // Q has landed
+    __syncthreads();
+
+    unsigned qf[KSTEPS][4];
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS; kk++) ldsm_x4(qf[kk], sQ + (lane & 15) * LDS + kk * 16 + (lane >> 4) * 8);
+
+    float o[OTILES][4];
+#pragma unroll
+    for (int j = 0; j < OTILES; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+    float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.0f, 0.0f};  // rows g and g + 8, log2 domain
+    const float scale2 = scale * 1.4426950408889634f;
+
+    for (int t = 0; t < n_tiles; t++) {
+        if (t + 1 < n_tiles) load_kv(t + 1);
+        cp_async_commit();
+        cp_async_wait<1>();  // tile t has landed
+        __syncthreads();
+        const int n0 = start + t * KEYS + warp * 16;  // this warp's 16 keys
+        if (n0 < end) {
+            const scalar_t *cK = sK + ((t & 1) * KEYS + warp * 16) * LDS;
+            const scalar_t *cV = sV + ((t & 1) * KEYS + warp * 16) * LDS;
+            float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+            for (int kk = 0; kk < KSTEPS; kk++) {
+                unsigned kf[4];
+                ldsm_x4(kf, cK + ((lane & 7) + ((lane >> 4) << 3)) * LDS + kk * 16 + ((lane >> 3) & 1) * 8);
+                mma_16816(sc[0], qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], kf[0], kf[1]);
+                mma_16816(sc[1], qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], kf[2], kf[3]);
+            }
+            if (n0 + 16 > end) {
+#pragma unroll
+                for (int j = 0; j < 2; j++)
+#pragma unroll
+                    for (int i = 0; i < 4; i++)
+                        if (n0 + j * 8 + 2 * qd + (i & 1) >= end) sc[j][i] = NEG_INF;
+            }
+            float base[2], corr[2];
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                float mx = fmaxf(fmaxf(sc[0][2 * r], sc[0][2 * r + 1]), fmaxf(sc[1][2 * r], sc[1][2 * r + 1]));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                const float m_new = fmaxf(m_run[r], mx * scale2);
+                base[r] = m_new == NEG_INF ? 0.0f : m_new;
+                corr[r] = exp2f(m_run[r] - base[r]);
+                m_run[r] = m_new;
+            }
+            float sum[2] = {0.0f, 0.0f};
+#pragma unroll
+            for (int j = 0; j < 2; j++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    sc[j][i] = exp2f(fmaf(sc[j][i], scale2, -base[i >> 1]));
+                    sum[i >> 1] += sc[j][i];
+                }
+#pragma unroll
+            for (int r = 0; r < 2; r++) l_run[r] = l_run[r] * corr[r] + sum[r];  // this lane's columns only
+            const unsigned a0 = pack2(sc[0][0], sc[0][1]), a1 = pack2(sc[0][2], sc[0][3]);
+            const unsigned a2 = pack2(sc[1][0], sc[1][1]), a3 = pack2(sc[1][2], sc[1][3]);
+#pragma unroll
+            for (int j = 0; j < OTILES; j += 2) {
+                o[j][0] *= corr[0];
+                o[j][1] *= corr[0];
+                o[j][2] *= corr[1];
+                o[j][3] *= corr[1];
+                o[j + 1][0] *= corr[0];
+                o[j + 1][1] *= corr[0];
+                o[j + 1][2] *= corr[1];
+                o[j + 1][3] *= corr[1];
+                unsigned vf[4];
+                ldsm_x4_trans(vf, cV + ((lane & 7) + ((lane >> 3) & 1) * 8) * LDS + j * 8 + (lane >> 4) * 8);
+                mma_16816(o[j], a0, a1, a2, a3, vf[0], vf[1]);
+                mma_16816(o[j + 1], a0, a1, a2, a3, vf[2], vf[3]);
+            }
+        }
+        __syncthreads();  // everyone is done with buffer t & 1 before tile t + 2 overwrites it
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
+        l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
+    }
+
+    // combine the warps (in the K tiles' memory; every load has landed and been used)
+    float *red_m = reinterpret_cast<float *>(sK);  // [WARPS][GROUP]
+    float *red_l = red_m + WARPS * GROUP;          // [WARPS][GROUP]
+    float *red_o = red_l + WARPS * GROUP;          // [WARPS][GROUP][HEAD_DIM]
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int row = g + 8 * r;
+        if (row >= GROUP) continue;
+        if (qd == 0) {
+            red_m[warp * GROUP + row] = m_run[r];
+            red_l[warp * GROUP + row] = l_run[r];
+        }
+#pragma unroll
+        for (int j = 0; j < OTILES; j++) {
+            red_o[(warp * GROUP + row) * HEAD_DIM + j * 8 + 2 * qd] = o[j][2 * r];
+            red_o[(warp * GROUP + row) * HEAD_DIM + j * 8 + 2 * qd + 1] = o[j][2 * r + 1];
+        }
+    }
+    __syncthreads();
     float *po = part_o + row0 * head_stride + (long long)split * HEAD_DIM;
     float *pml = part_ml + (row0 * max_splits + split) * 2;
-    if (start >= end) return;  // past this row's keys (a padding row has none)
-    const int splits = min(max_splits, (kv_len - first + CHUNK - 1) / CHUNK);
-    __shared__ ChunkShared sh;
-    __shared__ bool last;
-    const long long kv_stride = (long long)num_kv_heads * HEAD_DIM;
-    const long long head_off = layer_offset + kvh * HEAD_DIM;
-    chunk_partial(q, reinterpret_cast<const scalar_t *>(k_ptrs[b]) + head_off,
-                  reinterpret_cast<const scalar_t *>(v_ptrs[b]) + head_off, kv_stride, start, end, b, h0, num_heads,
-                  scale, po, pml, head_stride, max_splits, sh);
+    for (int i = tid; i < GROUP * HEAD_DIM; i += THREADS) {
+        const int h = i / HEAD_DIM, d = i % HEAD_DIM;
+        float M = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < WARPS; w++) M = fmaxf(M, red_m[w * GROUP + h]);
+        float O = 0.0f, L = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; w++) {
+            const float m = red_m[w * GROUP + h];
+            const float e = m == NEG_INF ? 0.0f : exp2f(m - M);
+            O += red_o[(w * GROUP + h) * HEAD_DIM + d] * e;
+            L += red_l[w * GROUP + h] * e;
+        }
+        po[(long long)h * head_stride + d] = O;
+        if (d == 0) {
+            pml[(long long)h * max_splits * 2] = M;
+            pml[(long long)h * max_splits * 2 + 1] = L;
+        }
+    }
+
     // the last of the row's `splits` blocks for this KV head combines their partials
+    __shared__ bool last;
     __threadfence();
     __syncthreads();
     if (tid == 0) {
@@ -183,31 +234,30 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_decode_chunk(
     __syncthreads();
     if (!last) return;
     __threadfence();
-    // a warp per head: the splits' max, their weights and the sum
-    const int warp = tid >> 5, lane = tid & 31;
-    for (int g = warp; g < GROUP; g += THREADS / 32) {
-        const float *ml = part_ml + (row0 + g) * max_splits * 2;
+    float *wts = reinterpret_cast<float *>(sV);  // [GROUP][MAX_SPLITS] each split's weight exp2(m_s - M)
+    float *inv_l = wts + GROUP * MAX_SPLITS;    // [GROUP]
+    for (int h = warp; h < GROUP; h += WARPS) {  // a warp per head: the splits' max, weights and sum
+        const float *ml = part_ml + (row0 + h) * max_splits * 2;
         float M = NEG_INF;
         for (int s = lane; s < splits; s += 32) M = fmaxf(M, __ldcg(ml + 2 * s));
         M = warp_max(M);
         float L = 0.0f;
         for (int s = lane; s < splits; s += 32) {
             const float m = __ldcg(ml + 2 * s);
-            const float w = m == NEG_INF ? 0.0f : __expf(m - M);
-            sh.comb.w[g][s] = w;
-            L += __ldcg(ml + 2 * s + 1) * w;
+            const float e = m == NEG_INF ? 0.0f : exp2f(m - M);
+            wts[h * MAX_SPLITS + s] = e;
+            L += __ldcg(ml + 2 * s + 1) * e;
         }
         L = warp_sum(L);
-        if (lane == 0) sh.comb.inv_l[g] = L > 0.0f ? 1.0f / L : 0.0f;
+        if (lane == 0) inv_l[h] = L > 0.0f ? 1.0f / L : 0.0f;
     }
     __syncthreads();
     for (int i = tid; i < GROUP * HEAD_DIM; i += THREADS) {
-        const int g = i / HEAD_DIM, d = i % HEAD_DIM;
-        const long long row = row0 + g;
-        const float *o = part_o + row * head_stride + d;
+        const int h = i / HEAD_DIM, d = i % HEAD_DIM;
+        const float *po_h = part_o + (row0 + h) * head_stride + d;
         float O = 0.0f;
 #pragma unroll 4
-        for (int s = 0; s < splits; s++) O += __ldcg(o + (long long)s * HEAD_DIM) * sh.comb.w[g][s];
-        out[row * HEAD_DIM + d] = from_float(O * sh.comb.inv_l[g]);
+        for (int s = 0; s < splits; s++) O += __ldcg(po_h + (long long)s * HEAD_DIM) * wts[h * MAX_SPLITS + s];
+        out[(row0 + h) * HEAD_DIM + d] = from_float(O * inv_l[h]);
     }
 }

@@ -1,6 +1,6 @@
-"""Split-KV flash decoding (flash_decode.cu): one kernel over a static grid that reads
-lengths and KV pointers from device arrays (graph-safe); the last split block of each
-(row, KV head) combines the partials."""
+"""Split-KV flash decoding on the tensor cores (flash_decode.cu): one kernel over a static
+grid that reads lengths and KV pointers from device arrays (graph-safe); the last split
+block of each (row, KV head) combines the partials."""
 
 from __future__ import annotations
 
@@ -11,11 +11,18 @@ from ._module import check, check_scalar, f32, i32, i64, launch, module, use_bf1
 
 CHUNK_THREADS = 128
 MAX_SPLITS = 64  # flash_decode.cu's bound on the splits of one sequence
+KEYS = 64  # keys per shared-memory tile; a chunk is a multiple of it
+
+
+def smem_bytes(head_dim: int) -> int:
+    """The 16-row query tile and double-buffered K and V tiles, rows padded by 8 elements."""
+    return 2 * (16 + 4 * KEYS) * (head_dim + 8)
 
 
 def flash_decode(q: cp.ndarray, k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, kv_lens: cp.ndarray,
                  layer_offset: int, num_kv_heads: int, part_o: cp.ndarray, part_ml: cp.ndarray,
-                 counters: cp.ndarray, out: cp.ndarray, scale: float, chunk: int = 256, window: int = 0, pdl: bool = False) -> cp.ndarray:
+                 counters: cp.ndarray, out: cp.ndarray, scale: float, chunk: int = 256, window: int = 0,
+                 pdl: bool = False) -> cp.ndarray:
     """out (B, H, D) = softmax(q k^T * scale) v over each row's kv_lens[b] cached keys.
 
     part_o (B, H, S, D) float32 and part_ml (B, H, S, 2) float32 are the split partials;
@@ -29,8 +36,12 @@ def flash_decode(q: cp.ndarray, k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, kv_lens:
     check(q, "q", q.dtype)
     if H % num_kv_heads:
         raise ValueError(f"{H} query heads are not a multiple of {num_kv_heads} KV heads")
-    if D % 8 or D > 256:
-        raise ValueError(f"head_dim {D} must be a multiple of 8 and at most 256")
+    if D % 16 or D > 256:
+        raise ValueError(f"head_dim {D} must be a multiple of 16 and at most 256")
+    if H // num_kv_heads > 16:
+        raise ValueError(f"{H // num_kv_heads} query heads per KV head: at most 16")
+    if chunk % KEYS:
+        raise ValueError(f"chunk {chunk} must be a multiple of {KEYS}")
     S = part_o.shape[2] if part_o.ndim == 4 else -1
     check(part_o, "part_o", np.float32, (B, H, S, D))
     check(part_ml, "part_ml", np.float32, (B, H, S, 2))
@@ -41,7 +52,10 @@ def flash_decode(q: cp.ndarray, k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, kv_lens:
     check(counters, "counters", np.int32, (B, num_kv_heads))
     check(out, "out", q.dtype, (B, H, D))
     mod = module("flash_decode", USE_BF16=use_bf16(q), HEAD_DIM=D, GROUP=H // num_kv_heads, CHUNK=chunk)
-    launch(mod.get_function("flash_decode_chunk"), (S, num_kv_heads, B), (CHUNK_THREADS,),
+    kernel = mod.get_function("flash_decode_chunk")
+    smem = smem_bytes(D)
+    kernel.max_dynamic_shared_size_bytes = smem
+    launch(kernel, (S, num_kv_heads, B), (CHUNK_THREADS,),
            (q, k_ptrs, v_ptrs, kv_lens, i64(layer_offset), part_o, part_ml, counters, out, i32(H), i32(num_kv_heads),
-            i32(S), i32(window), f32(scale)), pdl=pdl)
+            i32(S), i32(window), f32(scale)), shared_mem=smem, pdl=pdl)
     return out

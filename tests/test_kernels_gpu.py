@@ -244,25 +244,27 @@ def make_cache(dtype, layers, slots, KVH, D):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 12, 3), (128, 6, 1), (128, 8, 8)])
 @pytest.mark.parametrize("window", [0, 300])
-def test_flash_decode(dtype, head_dim, heads, kv_heads, window):
+@pytest.mark.parametrize("chunk", [64, 256])
+def test_flash_decode(dtype, head_dim, heads, kv_heads, window, chunk):
     from kernels_cuda.flash_decode import flash_decode
-    kv_lens = np.array([1, 17, 300, 5000, 0], np.int32)  # 5000: 20 splits of 256; 0: a padding row (untouched)
-    starts = np.array([0, 10, 100, 500, 0])
-    layers, layer, slots = 2, 1, 5600
+    # 4000: 16 splits of 256 or 63 of 64; 0: a padding row (left untouched); 129: a tile's keys past the end
+    kv_lens = np.array([1, 17, 129, 300, 4000, 0], np.int32)
+    starts = np.array([0, 10, 50, 100, 500, 0])
+    layers, layer, slots = 2, 1, 4600
     kc, vc, dk, dv = make_cache(dtype, layers, slots, kv_heads, head_dim)
     B = len(kv_lens)
     q = rng.standard_normal((B, heads, head_dim)).astype(np.float32)
     slot_bytes = kv_heads * head_dim * 2
     kp = cp.asarray(dk.data.ptr + starts * slot_bytes, dtype=cp.int64)
     vp = cp.asarray(dv.data.ptr + starts * slot_bytes, dtype=cp.int64)
-    S = 24
+    S = -(-int(kv_lens.max()) // chunk)
     counters = cp.zeros((B, kv_heads), np.int32)
     outs = []
     for _ in range(2):  # the last block of each (row, KV head) combines and leaves its counter at 0
         out = cp.zeros((B, heads, head_dim), dk.dtype)
         flash_decode(to_dev(q, dtype), kp, vp, cp.asarray(kv_lens), layer * slots * kv_heads * head_dim, kv_heads,
                      cp.zeros((B, heads, S, head_dim), np.float32), cp.zeros((B, heads, S, 2), np.float32), counters,
-                     out, 1 / np.sqrt(head_dim), chunk=256, window=window)
+                     out, 1 / np.sqrt(head_dim), chunk=chunk, window=window)
         assert not counters.any()
         outs.append(cp.asnumpy(out))
     np.testing.assert_array_equal(outs[0], outs[1])
