@@ -47,6 +47,13 @@ log = logging.getLogger("cuserve.cuda")
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 MAX_BANNED = MAX_STOP_TOKEN_IDS + 8  # stop_token_ids + eos ids while min_tokens holds
 GRAPH_RESERVE_BYTES = 512 << 20  # left free for cuBLAS workspaces and graph instantiation
+# The decode attention keeps up to ~222 KB of shared memory on an SM; a kernel that starts
+# while it drains (programmatic dependent launch) runs with that split of the SM's memory,
+# ~28 KB of L1, and the skinny GEMM re-reads its input rows from L1. So the o projection
+# overlaps the attention only when its input is this small (H200, Llama-3-8B shape:
+# B=8 5.07 -> 4.85 ms a step, B=16 7.44 -> 6.34 ms without the overlap; B=1 and SmolLM2's
+# small rows are as fast or faster with it).
+O_PROJ_PDL_MAX_INPUT = 16 << 10
 
 
 def decode_chunk(max_model_len: int, rows: int, max_splits: int = FLASH_MAX_SPLITS) -> int:
@@ -361,9 +368,9 @@ class CudaRunner:
 
     # ------------------------------------------------------------------ the model
 
-    def _linear(self, x: cp.ndarray, w: cp.ndarray, out: cp.ndarray) -> None:
+    def _linear(self, x: cp.ndarray, w: cp.ndarray, out: cp.ndarray, pdl: bool | None = None) -> None:
         if x.shape[0] <= GEMV_MAX_ROWS:
-            gemv(x, w, out, pdl=self.pdl)
+            gemv(x, w, out, pdl=self.pdl if pdl is None else pdl)
         else:
             gemm(x, w, out)
 
@@ -397,7 +404,8 @@ class CudaRunner:
                 self._linear(b.norm_out[:n], layer.qkv_proj, b.qkv_out[:n])
                 rope_kv_write(b.qkv_out[:n], *rope_in, cfg.head_dim, b.q_rot[:n], bias=layer.qkv_bias, pdl=self.pdl)
             attention(offset)
-            self._linear(b.attn_out[:n].reshape(n, cfg.q_size), layer.o_proj, b.o_proj_out[:n])
+            attn = b.attn_out[:n].reshape(n, cfg.q_size)
+            self._linear(attn, layer.o_proj, b.o_proj_out[:n], pdl=self.pdl and attn.nbytes <= O_PROJ_PDL_MAX_INPUT)
             add_rms_norm(b.embed_out[:n], b.o_proj_out[:n], layer.post_attention_layernorm, eps,
                          out=b.norm_out[:n], bias=layer.o_bias, pdl=self.pdl)
             if fused:
