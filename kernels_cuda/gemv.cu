@@ -5,18 +5,20 @@
 // operand (8 output features). Each lane loads 16 contiguous bytes of one weight row
 // (8 k-values) and of the matching x rows, and feeds them to two MMAs: the k order
 // inside a dot product is free, so W and x are permuted the same way. A block of WARPS
-// warps shares 8 output features and splits K between its warps (chunks of 32,
-// interleaved); the partial sums are added in a fixed order. Every output element is
-// computed the same way whatever B is (batch invariance). K must be a multiple of 8.
+// warps shares 8 output features (16 at 9-16 rows, see TILES) and splits K between its
+// warps (chunks of 32, interleaved); the partial sums are added in a fixed order. Every
+// output element is computed the same way whatever B is (batch invariance). K must be a
+// multiple of 8.
 //
-// Epilogues: a block's 8 output features ("slots") need not be 8 consecutive weight rows.
-// Plain stores y. SiluMul gives slots 0-3 gate rows and slots 4-7 the matching up rows, and
-// stores SiLU(gate) * up (16-bit) for the down projection, so no separate activation
-// kernel runs and the float32 gate/up product is never written. RopeKV gives slots 0-3
-// four dims j of q/k heads and slots 4-7 their partners j + HEAD_DIM / 2, adds the bias,
-// rotates, and writes q for attention and k, v into the KV cache (the blocks after the
-// q/k pairs take the v rows in order). The arithmetic is the one of the separate kernels
-// (common.cuh's helpers), so fused and unfused steps give the same bits.
+// Epilogues: a block's output features ("slots") need not be consecutive weight rows.
+// Plain stores y. SiluMul gives the first half of the slots gate rows and the second half
+// the matching up rows, and stores SiLU(gate) * up (16-bit) for the down projection, so
+// no separate activation kernel runs and the float32 gate/up product is never written.
+// RopeKV gives the first half dims j of q/k heads and the second half their partners
+// j + HEAD_DIM / 2, adds the bias, rotates, and writes q for attention and k, v into the
+// KV cache (the blocks after the q/k pairs take the v rows in order). The arithmetic is
+// the one of the separate kernels (common.cuh's helpers), so fused and unfused steps give
+// the same bits.
 //
 // Weights do not depend on the previous kernel: before waiting for it (programmatic
 // dependent launch), a block asks the L2 to fetch the first `prefetch` bytes of its rows,
@@ -30,59 +32,87 @@
 #define DEPTH 8  // chunks a warp loads per pass
 #endif
 
-// One pass of a warp over DEPTH chunks starting at chunk c0: loads first, then MMAs.
+// TILES: 8-feature tiles a block computes. gemv_8 (B <= 8) takes one; gemv_16 (B > 8)
+// takes two, so that each x row it reads from the L2 serves 16 features: at 9-16 rows the
+// x reads would otherwise cost as much as the weights. A lane's sum over k runs through
+// the same chunks in the same order either way (batch invariance holds across the two).
+
+// One pass of a warp over DEPTH / TILES chunks starting at chunk c0: loads first, then MMAs.
 // CHECKED: some chunk may reach past K (those loads are skipped and read as zero).
-template <bool WIDE, bool CHECKED>
-__device__ __forceinline__ void skinny_pass(const uint4 *wrow, const uint4 *xrow, const uint4 *xrow2, float c[4],
-                                            int c0, int q, int groups) {
+template <bool WIDE, int TILES, bool CHECKED>
+__device__ __forceinline__ void skinny_pass(const uint4 *const wrow[TILES], const uint4 *xrow, const uint4 *xrow2,
+                                            float c[TILES][4], int c0, int q, int groups) {
+    constexpr int D = DEPTH / TILES;
     const uint4 zero = make_uint4(0, 0, 0, 0);
-    uint4 wv[DEPTH], xv[DEPTH], yv[DEPTH];
+    uint4 wv[TILES][D], xv[D], yv[D];
 #pragma unroll
-    for (int u = 0; u < DEPTH; u++) {
+    for (int u = 0; u < D; u++) {
         const int k8 = (c0 + u * WARPS) * 4 + q;  // this lane's 16-byte group of k
         const bool ok = !CHECKED || k8 < groups;
-        wv[u] = ok ? __ldcs(wrow + k8) : zero;
+#pragma unroll
+        for (int t = 0; t < TILES; t++) wv[t][u] = ok ? __ldcs(wrow[t] + k8) : zero;
         xv[u] = ok ? __ldg(xrow + k8) : zero;
         yv[u] = WIDE && ok ? __ldg(xrow2 + k8) : zero;
     }
 #pragma unroll
-    for (int u = 0; u < DEPTH; u++) {
-        mma_16816(c, xv[u].x, yv[u].x, xv[u].y, yv[u].y, wv[u].x, wv[u].y);
-        mma_16816(c, xv[u].z, yv[u].z, xv[u].w, yv[u].w, wv[u].z, wv[u].w);
+    for (int u = 0; u < D; u++) {
+#pragma unroll
+        for (int t = 0; t < TILES; t++) {
+            mma_16816(c[t], xv[u].x, yv[u].x, xv[u].y, yv[u].y, wv[t][u].x, wv[t][u].y);
+            mma_16816(c[t], xv[u].z, yv[u].z, xv[u].w, yv[u].w, wv[t][u].z, wv[t][u].w);
+        }
     }
 }
 
+// A lane's block sums: v[4 t + i] of tile t, i = 0, 1 (row g, slots 8 t + 2q + i) and
+// i = 2, 3 (row g + 8, same slots). Epilogues that pair the first half of a block's slots
+// with the second get both halves here: lo (slot 2q + i of the first half) and hi (the same
+// slot of the second); with one tile the partner lives in lane ^ 2. Returns whether this
+// lane owns a pair.
+template <int TILES>
+__device__ __forceinline__ bool halves(const float *v, int q, float lo[4], float hi[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        lo[i] = v[i];
+        hi[i] = TILES == 2 ? v[4 + i] : __shfl_xor_sync(0xffffffffu, v[i], 2);
+    }
+    return TILES == 2 || q < 2;
+}
+
+template <int TILES>
 struct Plain {
     float *y;
     int N;
-    __device__ long long row(int bx, int s) const { return (long long)bx * 8 + s; }
+    __device__ long long row(int bx, int s) const { return (long long)bx * 8 * TILES + s; }
     template <bool WIDE>
-    __device__ void store(int bx, int g, int q, const float v[4], int B) const {
-        const long long f = (long long)bx * 8 + 2 * q;
+    __device__ void store(int bx, int g, int q, const float *v, int B) const {
 #pragma unroll
-        for (int j = 0; j < 2; j++) {
-            if (f + j >= N) continue;
-            if (g < B) y[(long long)g * N + f + j] = v[j];
-            if (WIDE && g + 8 < B) y[(long long)(g + 8) * N + f + j] = v[2 + j];
-        }
+        for (int t = 0; t < TILES; t++)
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                const long long f = (long long)bx * 8 * TILES + 8 * t + 2 * q + j;
+                if (f >= N) continue;
+                if (g < B) y[(long long)g * N + f] = v[4 * t + j];
+                if (WIDE && g + 8 < B) y[(long long)(g + 8) * N + f] = v[4 * t + 2 + j];
+            }
     }
 };
 
-struct SiluMul {  // weight rows [gate (inter) | up (inter)], inter % 4 == 0; grid inter / 4
+template <int TILES>
+struct SiluMul {  // weight rows [gate (inter) | up (inter)], inter % (4 TILES) == 0; grid inter / (4 TILES)
     scalar_t *act;  // (B, inter)
     int inter;
-    __device__ long long row(int bx, int s) const { return (s < 4 ? 0 : inter) + (long long)bx * 4 + (s & 3); }
+    static constexpr int PER = 4 * TILES;  // gate (and up) rows of a block
+    __device__ long long row(int bx, int s) const { return (s < PER ? 0 : inter) + (long long)bx * PER + s % PER; }
     template <bool WIDE>
-    __device__ void store(int bx, int g, int q, const float v[4], int B) const {
-        float up[4];
-#pragma unroll
-        for (int i = 0; i < 4; i++) up[i] = __shfl_xor_sync(0xffffffffu, v[i], 2);  // lane of slot + 4
-        if (q >= 2) return;
+    __device__ void store(int bx, int g, int q, const float *v, int B) const {
+        float gate[4], up[4];
+        if (!halves<TILES>(v, q, gate, up)) return;
 #pragma unroll
         for (int j = 0; j < 2; j++) {
-            const long long f = (long long)bx * 4 + 2 * q + j;
-            if (g < B) act[(long long)g * inter + f] = from_float(silu_times(v[j], up[j]));
-            if (WIDE && g + 8 < B) act[(long long)(g + 8) * inter + f] = from_float(silu_times(v[2 + j], up[2 + j]));
+            const long long f = (long long)bx * PER + 2 * q + j;
+            if (g < B) act[(long long)g * inter + f] = from_float(silu_times(gate[j], up[j]));
+            if (WIDE && g + 8 < B) act[(long long)(g + 8) * inter + f] = from_float(silu_times(gate[2 + j], up[2 + j]));
         }
     }
 };
@@ -92,18 +122,22 @@ struct SiluMul {  // weight rows [gate (inter) | up (inter)], inter % 4 == 0; gr
 #endif
 #define HALF (HEAD_DIM / 2)
 
-struct RopeKV {  // weight rows [q (H heads) | k (KVH) | v (KVH)] of HEAD_DIM; HALF % 4 == 0
+template <int TILES>
+struct RopeKV {  // weight rows [q (H heads) | k (KVH) | v (KVH)] of HEAD_DIM; HALF % (4 TILES) == 0
     const float *bias;  // or null
     const int *positions;
     const float *cos_table, *sin_table;  // (max_len, HALF)
     scalar_t *q_out;                     // (B, H, HEAD_DIM)
     const long long *k_ptrs, *v_ptrs;
     long long layer_offset;
-    int heads, kv_heads, pair_blocks;  // pair_blocks = (heads + kv_heads) * HALF / 4
+    int heads, kv_heads;
+    static constexpr int PER = 4 * TILES;  // (j, j + HALF) pairs of a block
+    __device__ int pair_blocks() const { return (heads + kv_heads) * HALF / PER; }
     __device__ long long row(int bx, int s) const {
-        if (bx >= pair_blocks) return (long long)(heads + kv_heads) * HEAD_DIM + (long long)(bx - pair_blocks) * 8 + s;
-        const int p = bx * 4 + (s & 3);
-        return (long long)(p / HALF) * HEAD_DIM + p % HALF + (s < 4 ? 0 : HALF);
+        if (bx >= pair_blocks())
+            return (long long)(heads + kv_heads) * HEAD_DIM + (long long)(bx - pair_blocks()) * 8 * TILES + s;
+        const int p = bx * PER + s % PER;
+        return (long long)(p / HALF) * HEAD_DIM + p % HALF + (s < PER ? 0 : HALF);
     }
     __device__ float biased(float x, long long n) const { return bias != nullptr ? x + bias[n] : x; }
     __device__ void rotate_store(int t, int p, float x1, float x2) const {
@@ -121,46 +155,50 @@ struct RopeKV {  // weight rows [q (H heads) | k (KVH) | v (KVH)] of HEAD_DIM; H
         dst[j + HALF] = from_float(o2);
     }
     template <bool WIDE>
-    __device__ void store(int bx, int g, int q, const float v[4], int B) const {
-        float partner[4];
-#pragma unroll
-        for (int i = 0; i < 4; i++) partner[i] = __shfl_xor_sync(0xffffffffu, v[i], 2);
-        if (bx < pair_blocks) {
-            if (q >= 2) return;
+    __device__ void store(int bx, int g, int q, const float *v, int B) const {
+        if (bx < pair_blocks()) {
+            float x1[4], x2[4];
+            if (!halves<TILES>(v, q, x1, x2)) return;
 #pragma unroll
             for (int j = 0; j < 2; j++) {
-                const int p = bx * 4 + 2 * q + j;
-                if (g < B) rotate_store(g, p, v[j], partner[j]);
-                if (WIDE && g + 8 < B) rotate_store(g + 8, p, v[2 + j], partner[2 + j]);
+                const int p = bx * PER + 2 * q + j;
+                if (g < B) rotate_store(g, p, x1[j], x2[j]);
+                if (WIDE && g + 8 < B) rotate_store(g + 8, p, x1[2 + j], x2[2 + j]);
             }
             return;
         }
         const int v_off = (heads + kv_heads) * HEAD_DIM;
 #pragma unroll
-        for (int j = 0; j < 2; j++) {
-            const int f = (bx - pair_blocks) * 8 + 2 * q + j;  // dim within the v rows
+        for (int t = 0; t < TILES; t++)
 #pragma unroll
-            for (int half = 0; half < (WIDE ? 2 : 1); half++) {
-                const int t = g + 8 * half;
-                if (t < B)
-                    kv_row(v_ptrs, t, layer_offset, positions[t], kv_heads * HEAD_DIM)[f] =
-                        from_float(biased(v[2 * half + j], v_off + f));
+            for (int j = 0; j < 2; j++) {
+                const int f = (bx - pair_blocks()) * 8 * TILES + 8 * t + 2 * q + j;  // dim within the v rows
+#pragma unroll
+                for (int half = 0; half < (WIDE ? 2 : 1); half++) {
+                    const int r = g + 8 * half;
+                    if (r < B)
+                        kv_row(v_ptrs, r, layer_offset, positions[r], kv_heads * HEAD_DIM)[f] =
+                            from_float(biased(v[4 * t + 2 * half + j], v_off + f));
+                }
             }
-        }
     }
 };
 
-template <bool WIDE, class Epilogue>  // WIDE: rows 8..15 of x exist (B > 8)
+template <bool WIDE, int TILES, class Epilogue>  // WIDE: rows 8..15 of x exist (B > 8)
 __device__ __forceinline__ void skinny(const scalar_t *__restrict__ x, const scalar_t *__restrict__ w, int B, int N,
                                        int K, int prefetch, const Epilogue &epi) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, q = lane & 3;  // mma group (row of x / slot of W) and lane in group
-    const long long n = epi.row(blockIdx.x, g);
     // Rows past N or B read row 0 instead: an MMA output row depends only on its own
     // input row, and those outputs are never stored.
-    const uint4 *wrow = reinterpret_cast<const uint4 *>(w + (n < N ? n : 0) * K);
+    const uint4 *wrow[TILES];
+#pragma unroll
+    for (int t = 0; t < TILES; t++) {
+        const long long n = epi.row(blockIdx.x, 8 * t + g);
+        wrow[t] = reinterpret_cast<const uint4 *>(w + (n < N ? n : 0) * K);
+    }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (prefetch > 0 && threadIdx.x < 8) {
+    if (prefetch > 0 && threadIdx.x < 8 * TILES) {
         const long long pn = epi.row(blockIdx.x, threadIdx.x);
         if (pn < N)
             asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(w + pn * K), "r"(prefetch) : "memory");
@@ -171,19 +209,25 @@ __device__ __forceinline__ void skinny(const scalar_t *__restrict__ x, const sca
     const int chunks = (groups + 3) >> 2, whole = groups >> 2;
     const uint4 *xrow = reinterpret_cast<const uint4 *>(x + (long long)(g < B ? g : 0) * K);
     const uint4 *xrow2 = reinterpret_cast<const uint4 *>(x + (long long)(g + 8 < B ? g + 8 : 0) * K);
-    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    int c0 = warp;
-    for (; c0 + (DEPTH - 1) * WARPS < whole; c0 += WARPS * DEPTH) skinny_pass<WIDE, false>(wrow, xrow, xrow2, c, c0, q, groups);
-    for (; c0 < chunks; c0 += WARPS * DEPTH) skinny_pass<WIDE, true>(wrow, xrow, xrow2, c, c0, q, groups);
-    // c: (x row g, slots 2q, 2q+1) and (x row g + 8, same slots); sum the warps in order
-    __shared__ float part[WARPS][4][32];
+    float c[TILES][4];
 #pragma unroll
-    for (int i = 0; i < 4; i++) part[warp][i][lane] = c[i];
+    for (int t = 0; t < TILES; t++) c[t][0] = c[t][1] = c[t][2] = c[t][3] = 0.0f;
+    constexpr int D = DEPTH / TILES;
+    int c0 = warp;
+    for (; c0 + (D - 1) * WARPS < whole; c0 += WARPS * D)
+        skinny_pass<WIDE, TILES, false>(wrow, xrow, xrow2, c, c0, q, groups);
+    for (; c0 < chunks; c0 += WARPS * D) skinny_pass<WIDE, TILES, true>(wrow, xrow, xrow2, c, c0, q, groups);
+    // sum the warps in order
+    __shared__ float part[WARPS][4 * TILES][32];
+#pragma unroll
+    for (int t = 0; t < TILES; t++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) part[warp][4 * t + i][lane] = c[t][i];
     __syncthreads();
     if (warp == 0) {
-        float s[4];
+        float s[4 * TILES];
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
+        for (int i = 0; i < 4 * TILES; i++) {
             s[i] = part[0][i][lane];
 #pragma unroll
             for (int v = 1; v < WARPS; v++) s[i] += part[v][i][lane];
@@ -194,27 +238,26 @@ __device__ __forceinline__ void skinny(const scalar_t *__restrict__ x, const sca
 
 // Kernels: grid (blocks the epilogue asks for), block (32 WARPS); prefetch: bytes of each
 // weight row to bring into the L2 up front (a multiple of 16, at most 2 K). EPI: the
-// epilogue built from the kernel's own parameters (the ones after `prefetch`).
-#define SKINNY_KERNELS(NAME, EPI, ...)                                                                           \
+// epilogue template, built from the kernel's own parameters (the ones after `prefetch`).
+#define SKINNY_KERNELS(NAME, EPI, INIT, ...)                                                                     \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                     \
         NAME##_8(const scalar_t *__restrict__ x, const scalar_t *__restrict__ w, int B, int N, int K, int prefetch, \
                  __VA_ARGS__) {                                                                                  \
-        skinny<false>(x, w, B, N, K, prefetch, EPI);                                                             \
+        skinny<false, 1>(x, w, B, N, K, prefetch, EPI<1> INIT);                                                  \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                     \
         NAME##_16(const scalar_t *__restrict__ x, const scalar_t *__restrict__ w, int B, int N, int K,            \
                   int prefetch, __VA_ARGS__) {                                                                   \
-        skinny<true>(x, w, B, N, K, prefetch, EPI);                                                              \
+        skinny<true, 2>(x, w, B, N, K, prefetch, EPI<2> INIT);                                                   \
     }
 
 // y (B, N) float32
-SKINNY_KERNELS(gemv, (Plain{y, N}), float *__restrict__ y)
+SKINNY_KERNELS(gemv, Plain, ({y, N}), float *__restrict__ y)
 // act (B, N / 2) 16-bit = SiLU(gate) * up
-SKINNY_KERNELS(gemv_silu, (SiluMul{act, N / 2}), scalar_t *__restrict__ act)
+SKINNY_KERNELS(gemv_silu, SiluMul, ({act, N / 2}), scalar_t *__restrict__ act)
 // q_out (B, H, HEAD_DIM) and the token's K/V rows; N = (heads + 2 kv_heads) * HEAD_DIM
-SKINNY_KERNELS(gemv_rope,
-               (RopeKV{bias, positions, cos_table, sin_table, q_out, k_ptrs, v_ptrs, layer_offset, heads, kv_heads,
-                       (heads + kv_heads) * HALF / 4}),
+SKINNY_KERNELS(gemv_rope, RopeKV,
+               ({bias, positions, cos_table, sin_table, q_out, k_ptrs, v_ptrs, layer_offset, heads, kv_heads}),
                const float *__restrict__ bias, const int *__restrict__ positions, const float *__restrict__ cos_table,
                const float *__restrict__ sin_table, scalar_t *__restrict__ q_out,
                const long long *__restrict__ k_ptrs, const long long *__restrict__ v_ptrs, long long layer_offset,

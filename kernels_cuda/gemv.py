@@ -10,18 +10,26 @@ from .rope import check_rope_args
 
 # The runner uses this kernel for every step of up to MAX_ROWS rows, so a sequence's logits
 # do not depend on what else is in such a step. H200 sweep (`bench/kernels.py --gemv-sweep`,
-# Llama-3-8B matrices): ~3 % faster than cuBLAS at 1 and 8 rows, ~16 % slower at 16;
-# invariance was kept over those 16 % for 9-16 rows.
+# Llama-3-8B matrices, the step's five products): on par with cuBLAS at 1 and 8 rows; at
+# 9-16 rows, with two feature tiles a block, ~4 % slower (it was ~16 % with one tile).
 MAX_ROWS = 16
-# gemv.cu's shape constants (warps per block, chunks per pass), chosen with
-# `bench/kernels.py --gemv-sweep`.
-CONFIG = {"WARPS": 8, "DEPTH": 8}
+# gemv.cu's shape constants (warps per block, chunks a warp loads per pass) per number of
+# feature tiles, chosen with `bench/kernels.py --gemv-sweep`: at 9-16 rows DEPTH 4 (two
+# chunks of each of the two tiles in flight) beat 8 (5.81 vs 6.07 ms for the 8B step's
+# products at 16 rows).
+CONFIG = {1: {"WARPS": 8, "DEPTH": 8}, 2: {"WARPS": 8, "DEPTH": 4}}
 PREFETCH_BUDGET = 12 << 20  # bytes of a matrix asked into the L2 while the previous kernel ends
 
 
-def _launch(name: str, x: cp.ndarray, w: cp.ndarray, grid: int, extra: tuple, pdl: bool, config: dict | None,
-            **defines: int) -> None:
-    """Checks shared by the skinny kernels, then the launch (x, w, B, N, K, prefetch, *extra)."""
+def tiles(rows: int) -> int:
+    """8-feature tiles a block computes: one up to 8 rows, two beyond (gemv.cu)."""
+    return 1 if rows <= 8 else 2
+
+
+def _launch(name: str, x: cp.ndarray, w: cp.ndarray, features_per_block: int, extra: tuple, pdl: bool,
+            config: dict | None, **defines: int) -> None:
+    """Checks shared by the skinny kernels, then the launch (x, w, B, N, K, prefetch, *extra)
+    over N / features_per_block blocks (rounded up)."""
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"gemv: x {x.shape} and w {w.shape} do not chain")
     B, K = x.shape
@@ -33,9 +41,10 @@ def _launch(name: str, x: cp.ndarray, w: cp.ndarray, grid: int, extra: tuple, pd
     same_scalar(x, w, "x, w")
     check(x, "x", x.dtype)
     check(w, "w", w.dtype)
-    cfg = config or CONFIG
+    cfg = config or CONFIG[tiles(B)]
     prefetch = min(2 * K, PREFETCH_BUDGET // N) // 16 * 16  # the first bytes of every row
     kernel = module("gemv", USE_BF16=use_bf16(w), **cfg, **defines).get_function(f"{name}_{8 if B <= 8 else 16}")
+    grid = -(-N // features_per_block)
     launch(kernel, (grid,), (32 * cfg["WARPS"],), (x, w, i32(B), i32(N), i32(K), i32(prefetch), *extra), pdl=pdl)
 
 
@@ -48,21 +57,21 @@ def gemv(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray | None = None, pdl: bool 
     if out is None:
         out = cp.empty((x.shape[0], w.shape[0]), np.float32)
     check(out, "out", np.float32, (x.shape[0], w.shape[0]))
-    _launch("gemv", x, w, (w.shape[0] + 7) // 8, (out,), pdl, config)
+    _launch("gemv", x, w, 8 * tiles(x.shape[0]), (out,), pdl, config)
     return out
 
 
 def gemv_silu(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray, pdl: bool = False) -> cp.ndarray:
     """out (B, inter) 16-bit = SiLU(x @ gate^T) * (x @ up^T), w = [gate; up] (2 inter, K).
 
-    The same bits as gemv followed by activation.silu_mul; inter must be a multiple of 4.
+    The same bits as gemv followed by activation.silu_mul; inter must be a multiple of 8.
     """
     inter = w.shape[0] // 2
-    if w.shape[0] % 8:
-        raise ValueError(f"gemv_silu: 2 * intermediate = {w.shape[0]} must be a multiple of 8")
+    if w.shape[0] % 16:
+        raise ValueError(f"gemv_silu: 2 * intermediate = {w.shape[0]} must be a multiple of 16")
     check_scalar(out, "out")
     check(out, "out", w.dtype, (x.shape[0], inter))
-    _launch("gemv_silu", x, w, inter // 4, (out,), pdl, None)
+    _launch("gemv_silu", x, w, 8 * tiles(x.shape[0]), (out,), pdl, None)
     return out
 
 
@@ -74,12 +83,13 @@ def gemv_rope(x: cp.ndarray, w: cp.ndarray, positions: cp.ndarray, cos: cp.ndarr
     B = x.shape[0]
     head_dim = q_out.shape[-1]
     width = (num_heads + 2 * num_kv_heads) * head_dim
-    if w.shape[0] != width or head_dim % 8:
+    if w.shape[0] != width or head_dim % 16:
         raise ValueError(f"gemv_rope: w has {w.shape[0]} rows, expected {width}; head_dim {head_dim} "
-                         "must be a multiple of 8")
+                         "must be a multiple of 16")
     check_rope_args(B, width, positions, cos, sin, k_ptrs, v_ptrs, q_out, num_heads, head_dim, bias)
     check(q_out, "q_out", w.dtype)
-    grid = (num_heads + num_kv_heads) * head_dim // 8 + num_kv_heads * head_dim // 8
-    _launch("gemv_rope", x, w, grid, (ptr_or_null(bias), positions, cos, sin, q_out, k_ptrs, v_ptrs, i64(layer_offset),
-                                      i32(num_heads), i32(num_kv_heads)), pdl, None, HEAD_DIM=head_dim)
+    # a block takes 4 or 8 (j, j + head_dim / 2) pairs of q/k rows, or 8 or 16 v rows: N / 8 or N / 16 blocks
+    _launch("gemv_rope", x, w, 8 * tiles(B), (ptr_or_null(bias), positions, cos, sin, q_out, k_ptrs, v_ptrs,
+                                               i64(layer_offset), i32(num_heads), i32(num_kv_heads)),
+            pdl, None, HEAD_DIM=head_dim)
     return q_out

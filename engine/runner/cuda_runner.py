@@ -379,7 +379,7 @@ class CudaRunner:
         QKV product's epilogue and SiLU * up in the gate/up product's (same bits, 3 fewer
         kernels a layer); larger steps run cuBLAS and the separate kernels."""
         cfg = self.config
-        return n <= GEMV_MAX_ROWS and cfg.intermediate_size % 4 == 0 and cfg.head_dim % 8 == 0
+        return n <= GEMV_MAX_ROWS and cfg.intermediate_size % 8 == 0 and cfg.head_dim % 16 == 0
 
     def _layers(self, n: int, rope: tuple, attention) -> None:
         """The decoder layers over the first n rows of the activation buffers; the
