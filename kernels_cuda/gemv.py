@@ -13,11 +13,13 @@ from .rope import check_rope_args
 # Llama-3-8B matrices, the step's five products): on par with cuBLAS at 1 and 8 rows; at
 # 9-16 rows, with two feature tiles a block, ~4 % slower (it was ~16 % with one tile).
 MAX_ROWS = 16
-# gemv.cu's shape constants (warps per block, chunks a warp loads per pass) per number of
-# feature tiles, chosen with `bench/kernels.py --gemv-sweep`: at 9-16 rows DEPTH 4 (two
-# chunks of each of the two tiles in flight) beat 8 (5.81 vs 6.07 ms for the 8B step's
-# products at 16 rows).
-CONFIG = {1: {"WARPS": 8, "DEPTH": 8}, 2: {"WARPS": 8, "DEPTH": 4}}
+# gemv.cu's shape constants (warps per block, chunks a warp loads per pass), chosen with
+# `bench/kernels.py --gemv-sweep` and the decode graphs: DEPTH 8 up to 4 rows; DEPTH 4 from
+# 5 rows on, where each chunk also brings 5-16 x rows (H200, 8B decode graph: B=8 4.87 ->
+# 4.80 ms, B=16 5.56 -> 5.35 ms; B=1 is faster with 8). The order of a sum over k does
+# not depend on DEPTH, so neither does any output bit.
+CONFIG = {"WARPS": 8, "DEPTH": 8}
+CONFIG_WIDE = {"WARPS": 8, "DEPTH": 4}  # from 5 rows on
 PREFETCH_BUDGET = 12 << 20  # bytes of a matrix asked into the L2 while the previous kernel ends
 
 
@@ -41,7 +43,7 @@ def _launch(name: str, x: cp.ndarray, w: cp.ndarray, features_per_block: int, ex
     same_scalar(x, w, "x, w")
     check(x, "x", x.dtype)
     check(w, "w", w.dtype)
-    cfg = config or CONFIG[tiles(B)]
+    cfg = config or (CONFIG if B <= 4 else CONFIG_WIDE)
     prefetch = min(2 * K, PREFETCH_BUDGET // N) // 16 * 16  # the first bytes of every row
     kernel = module("gemv", USE_BF16=use_bf16(w), **cfg, **defines).get_function(f"{name}_{8 if B <= 8 else 16}")
     grid = -(-N // features_per_block)
