@@ -75,13 +75,6 @@ __device__ __forceinline__ void rope_rotate(float x1, float x2, float c, float s
     o2 = x2 * c + x1 * s;
 }
 
-// Where the K (or V) row of a token at position pos lands: ptrs[t] is the element address
-// of the token's sequence region in layer 0; the pool is (layers, slots, kv_heads, head_dim).
-__device__ __forceinline__ scalar_t *kv_row(const long long *ptrs, long long t, long long layer_offset, int pos,
-                                            int kv_width) {
-    return reinterpret_cast<scalar_t *>(ptrs[t]) + layer_offset + (long long)pos * kv_width;
-}
-
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -169,3 +162,63 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
+
+// ------------------------------------------------------------------ the KV cache's element
+// -DKV_FP8=1: the cache holds float8 e4m3 (one byte, scale 1, saturating at +-448), else
+// the 16-bit type. Converted through PTX (sm_89+), so NVRTC needs no cuda_fp8.h.
+#ifndef KV_FP8
+#define KV_FP8 0
+#endif
+#if KV_FP8
+typedef unsigned char kv_t;
+__device__ __forceinline__ kv_t to_kv(float x) {
+    unsigned short r;  // cvt packs its first operand into the upper byte, the second into the lower
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.0f), "f"(x));
+    return (kv_t)(r & 0xff);
+}
+// two e4m3 bytes (lower byte first) -> two 16-bit values in one word, exactly
+__device__ __forceinline__ unsigned kv2_to_scalar2(unsigned short v) {
+    unsigned h;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(v));
+#if USE_BF16
+    const float2 f = __half22float2(*reinterpret_cast<__half2 *>(&h));
+    return pack2(f.x, f.y);
+#else
+    return h;
+#endif
+}
+#else
+typedef scalar_t kv_t;
+__device__ __forceinline__ kv_t to_kv(float x) { return from_float(x); }
+#endif
+
+// Where the K (or V) row of a token at position pos lands: ptrs[t] is the element address
+// of the token's sequence region in layer 0; the pool is (layers, slots, kv_heads, head_dim).
+__device__ __forceinline__ kv_t *kv_row(const long long *ptrs, long long t, long long layer_offset, int pos,
+                                        int kv_width) {
+    return reinterpret_cast<kv_t *>(ptrs[t]) + layer_offset + (long long)pos * kv_width;
+}
+
+#if KV_FP8
+// rows x dim e4m3 bytes (16-byte aligned rows, in shared memory) -> 16-bit rows of stride
+// lds elements; every thread of the block takes 16 bytes at a time.
+__device__ __forceinline__ void kv_tile_to_scalar(const unsigned char *src, scalar_t *dst, int rows, int dim,
+                                                  int lds) {
+    const int per_row = dim / 16;
+    for (int i = threadIdx.x; i < rows * per_row; i += blockDim.x) {
+        const int r = i / per_row, c = (i % per_row) * 16;
+        const uint4 v = *reinterpret_cast<const uint4 *>(src + r * dim + c);
+        const unsigned w[4] = {v.x, v.y, v.z, v.w};
+        unsigned out[8];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            out[2 * j] = kv2_to_scalar2((unsigned short)(w[j] & 0xffff));
+            out[2 * j + 1] = kv2_to_scalar2((unsigned short)(w[j] >> 16));
+        }
+        uint4 *d = reinterpret_cast<uint4 *>(dst + r * lds + c);
+        d[0] = make_uint4(out[0], out[1], out[2], out[3]);
+        d[1] = make_uint4(out[4], out[5], out[6], out[7]);
+    }
+}
+#endif
+

@@ -15,7 +15,8 @@
 // partials into the output: no separate reduce kernel. Maxima are in the log2 domain.
 //
 // -DHEAD_DIM (multiple of 16), -DGROUP (query heads per KV head, <= 16), -DCHUNK
-// (multiple of KEYS). Dynamic shared memory: flash_decode.smem_bytes(). KV pool layout:
+// (multiple of KEYS), -DKV_FP8 (e4m3 cache: tiles are widened to 16 bits in shared memory
+// before the MMAs). Dynamic shared memory: flash_decode.smem_bytes(). KV pool layout:
 // (layers, slots, kv_heads, HEAD_DIM); row b's keys start at k_ptrs[b] + layer_offset.
 #include "common.cuh"
 
@@ -71,8 +72,16 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_decode_chunk(
 
     extern __shared__ __align__(128) unsigned char smem[];
     scalar_t *sQ = reinterpret_cast<scalar_t *>(smem);  // 16 x LDS
-    scalar_t *sK = sQ + 16 * LDS;                        // 2 x KEYS x LDS
-    scalar_t *sV = sK + 2 * KEYS * LDS;                  // 2 x KEYS x LDS
+#if KV_FP8  // tiles arrive as bytes (double-buffered) and are widened into one 16-bit K and V tile
+    unsigned char *st = reinterpret_cast<unsigned char *>(sQ + 16 * LDS);  // [2][K, V][KEYS][HEAD_DIM]
+    scalar_t *sK = reinterpret_cast<scalar_t *>(st + 4 * KEYS * HEAD_DIM);  // KEYS x LDS
+    scalar_t *sV = sK + KEYS * LDS;                                          // KEYS x LDS
+    float *scratch_a = reinterpret_cast<float *>(sK), *scratch_b = reinterpret_cast<float *>(st);
+#else
+    scalar_t *sK = sQ + 16 * LDS;        // 2 x KEYS x LDS
+    scalar_t *sV = sK + 2 * KEYS * LDS;  // 2 x KEYS x LDS
+    float *scratch_a = reinterpret_cast<float *>(sK), *scratch_b = reinterpret_cast<float *>(sV);
+#endif
 
     for (int i = tid; i < 16 * VEC; i += THREADS) {
         const int r = i / VEC, c = (i % VEC) * 8;
@@ -81,18 +90,24 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_decode_chunk(
     }
     cp_async_commit();
     const long long kv_stride = (long long)num_kv_heads * HEAD_DIM;
-    const scalar_t *kb = reinterpret_cast<const scalar_t *>(k_ptrs[b]) + layer_offset + kvh * HEAD_DIM;
-    const scalar_t *vb = reinterpret_cast<const scalar_t *>(v_ptrs[b]) + layer_offset + kvh * HEAD_DIM;
+    const kv_t *kb = reinterpret_cast<const kv_t *>(k_ptrs[b]) + layer_offset + kvh * HEAD_DIM;
+    const kv_t *vb = reinterpret_cast<const kv_t *>(v_ptrs[b]) + layer_offset + kvh * HEAD_DIM;
     const int n_tiles = (end - start + KEYS - 1) / KEYS;
+    constexpr int PIECES = HEAD_DIM * (int)sizeof(kv_t) / 16;  // 16-byte pieces of a cached row
     auto load_kv = [&](int t) {
         const int n0 = start + t * KEYS;
-        scalar_t *dk = sK + (t & 1) * KEYS * LDS, *dv = sV + (t & 1) * KEYS * LDS;
-        for (int i = tid; i < KEYS * VEC; i += THREADS) {
-            const int r = i / VEC, c = (i % VEC) * 8, key = n0 + r;
+        for (int i = tid; i < KEYS * PIECES; i += THREADS) {
+            const int r = i / PIECES, c = (i % PIECES) * (16 / (int)sizeof(kv_t)), key = n0 + r;
             const bool ok = key < end;  // keys past the end are zeros (never NaN times 0 in P V)
             const long long off = (long long)(ok ? key : start) * kv_stride + c;
-            cp_async16(dk + r * LDS + c, kb + off, ok);
-            cp_async16(dv + r * LDS + c, vb + off, ok);
+#if KV_FP8
+            unsigned char *dk = st + (t & 1) * 2 * KEYS * HEAD_DIM, *dv = dk + KEYS * HEAD_DIM;
+            cp_async16(dk + r * HEAD_DIM + c, kb + off, ok);
+            cp_async16(dv + r * HEAD_DIM + c, vb + off, ok);
+#else
+            cp_async16(sK + ((t & 1) * KEYS + r) * LDS + c, kb + off, ok);
+            cp_async16(sV + ((t & 1) * KEYS + r) * LDS + c, vb + off, ok);
+#endif
         }
     };
     load_kv(0);
@@ -115,10 +130,18 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_decode_chunk(
         cp_async_commit();
         cp_async_wait<1>();  // tile t has landed
         __syncthreads();
+#if KV_FP8
+        kv_tile_to_scalar(st + (t & 1) * 2 * KEYS * HEAD_DIM, sK, KEYS, HEAD_DIM, LDS);
+        kv_tile_to_scalar(st + (t & 1) * 2 * KEYS * HEAD_DIM + KEYS * HEAD_DIM, sV, KEYS, HEAD_DIM, LDS);
+        __syncthreads();
+        const int buf = 0;
+#else
+        const int buf = t & 1;
+#endif
         const int n0 = start + t * KEYS + warp * 16;  // this warp's 16 keys
         if (n0 < end) {
-            const scalar_t *cK = sK + ((t & 1) * KEYS + warp * 16) * LDS;
-            const scalar_t *cV = sV + ((t & 1) * KEYS + warp * 16) * LDS;
+            const scalar_t *cK = sK + (buf * KEYS + warp * 16) * LDS;
+            const scalar_t *cV = sV + (buf * KEYS + warp * 16) * LDS;
             float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
 #pragma unroll
             for (int kk = 0; kk < KSTEPS; kk++) {
@@ -181,8 +204,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_decode_chunk(
         l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
     }
 
-    // combine the warps (in the K tiles' memory; every load has landed and been used)
-    float *red_m = reinterpret_cast<float *>(sK);  // [WARPS][GROUP]
+    // combine the warps (in the K/V tiles' memory; every load has landed and been used)
+    float *red_m = scratch_a;                      // [WARPS][GROUP]
     float *red_l = red_m + WARPS * GROUP;          // [WARPS][GROUP]
     float *red_o = red_l + WARPS * GROUP;          // [WARPS][GROUP][HEAD_DIM]
 #pragma unroll
@@ -234,7 +257,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_decode_chunk(
     __syncthreads();
     if (!last) return;
     __threadfence();
-    float *wts = reinterpret_cast<float *>(sV);  // [GROUP][MAX_SPLITS] each split's weight exp2(m_s - M)
+    float *wts = scratch_b;                      // [GROUP][MAX_SPLITS] each split's weight exp2(m_s - M)
     float *inv_l = wts + GROUP * MAX_SPLITS;    // [GROUP]
     for (int h = warp; h < GROUP; h += WARPS) {  // a warp per head: the splits' max, weights and sum
         const float *ml = part_ml + (row0 + h) * max_splits * 2;

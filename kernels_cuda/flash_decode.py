@@ -14,20 +14,25 @@ MAX_SPLITS = 64  # flash_decode.cu's bound on the splits of one sequence
 KEYS = 64  # keys per shared-memory tile; a chunk is a multiple of it
 
 
-def smem_bytes(head_dim: int) -> int:
-    """The 16-row query tile and double-buffered K and V tiles, rows padded by 8 elements."""
+def smem_bytes(head_dim: int, kv_fp8: bool = False) -> int:
+    """The 16-row query tile and double-buffered K and V tiles, rows padded by 8 elements;
+    with an fp8 cache the tiles arrive as bytes (double-buffered) and are widened into one
+    16-bit K and V tile."""
+    if kv_fp8:
+        return 2 * 16 * (head_dim + 8) + 4 * KEYS * head_dim + 2 * 2 * KEYS * (head_dim + 8)
     return 2 * (16 + 4 * KEYS) * (head_dim + 8)
 
 
 def flash_decode(q: cp.ndarray, k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, kv_lens: cp.ndarray,
                  layer_offset: int, num_kv_heads: int, part_o: cp.ndarray, part_ml: cp.ndarray,
                  counters: cp.ndarray, out: cp.ndarray, scale: float, chunk: int = 256, window: int = 0,
-                 pdl: bool = False) -> cp.ndarray:
+                 pdl: bool = False, kv_fp8: bool = False) -> cp.ndarray:
     """out (B, H, D) = softmax(q k^T * scale) v over each row's kv_lens[b] cached keys.
 
     part_o (B, H, S, D) float32 and part_ml (B, H, S, 2) float32 are the split partials;
     S (the number of splits) fixes the grid: S * chunk must cover the longest context.
     counters (B, num_kv_heads) int32 must be zero; the kernel leaves them zero.
+    kv_fp8: the cache holds float8 e4m3 (one byte an element) instead of q's 16-bit type.
     """
     if q.ndim != 3:
         raise ValueError(f"q: expected (B, heads, head_dim), got {q.shape}")
@@ -51,9 +56,10 @@ def flash_decode(q: cp.ndarray, k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, kv_lens:
         raise ValueError(f"{S} splits of {chunk} keys: at most {MAX_SPLITS} (use a longer chunk)")
     check(counters, "counters", np.int32, (B, num_kv_heads))
     check(out, "out", q.dtype, (B, H, D))
-    mod = module("flash_decode", USE_BF16=use_bf16(q), HEAD_DIM=D, GROUP=H // num_kv_heads, CHUNK=chunk)
+    mod = module("flash_decode", USE_BF16=use_bf16(q), HEAD_DIM=D, GROUP=H // num_kv_heads, CHUNK=chunk,
+                 KV_FP8=int(kv_fp8))
     kernel = mod.get_function("flash_decode_chunk")
-    smem = smem_bytes(D)
+    smem = smem_bytes(D, kv_fp8)
     kernel.max_dynamic_shared_size_bytes = smem
     launch(kernel, (S, num_kv_heads, B), (CHUNK_THREADS,),
            (q, k_ptrs, v_ptrs, kv_lens, i64(layer_offset), part_o, part_ml, counters, out, i32(H), i32(num_kv_heads),

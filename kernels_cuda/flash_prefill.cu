@@ -12,7 +12,8 @@
 // grid (num_tiles, num_heads), block 128. A tile is 64 queries of one sequence:
 // tile_seq / tile_q0 map tiles to (sequence, first query); the grid runs them last first,
 // so the longest (latest) tiles of a sequence start early.
-// -DHEAD_DIM (multiple of 16), dynamic shared memory: flash_prefill_smem_bytes().
+// -DHEAD_DIM (multiple of 16), -DKV_FP8 (e4m3 cache: tiles are widened to 16 bits in
+// shared memory before the MMAs); dynamic shared memory: flash_prefill.smem_bytes().
 #include "common.cuh"
 
 #ifndef HEAD_DIM
@@ -42,8 +43,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_prefill(
     PDL_ENTER();
     extern __shared__ __align__(128) unsigned char smem[];
     scalar_t *sQ = reinterpret_cast<scalar_t *>(smem);  // BLOCK_M x LDS
-    scalar_t *sK = sQ + BLOCK_M * LDS;                   // 2 x BLOCK_N x LDS
-    scalar_t *sV = sK + 2 * BLOCK_N * LDS;               // 2 x BLOCK_N x LDS
+#if KV_FP8  // tiles arrive as bytes (double-buffered) and are widened into one 16-bit K and V tile
+    unsigned char *st = reinterpret_cast<unsigned char *>(sQ + BLOCK_M * LDS);  // [2][K, V][BLOCK_N][HEAD_DIM]
+    scalar_t *sK = reinterpret_cast<scalar_t *>(st + 4 * BLOCK_N * HEAD_DIM);   // BLOCK_N x LDS
+    scalar_t *sV = sK + BLOCK_N * LDS;                                           // BLOCK_N x LDS
+#else
+    scalar_t *sK = sQ + BLOCK_M * LDS;      // 2 x BLOCK_N x LDS
+    scalar_t *sV = sK + 2 * BLOCK_N * LDS;  // 2 x BLOCK_N x LDS
+#endif
 
     const int tile = gridDim.x - 1 - blockIdx.x, h = blockIdx.y;
     const int kvh = h / (num_heads / num_kv_heads);
@@ -61,8 +68,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_prefill(
     const int n_begin = (k_lo / BLOCK_N) * BLOCK_N;
     const int n_tiles = (k_hi - n_begin + BLOCK_N - 1) / BLOCK_N;
     const long long kv_stride = (long long)num_kv_heads * HEAD_DIM;
-    const scalar_t *kb = reinterpret_cast<const scalar_t *>(k_ptrs[s]) + layer_offset + kvh * HEAD_DIM;
-    const scalar_t *vb = reinterpret_cast<const scalar_t *>(v_ptrs[s]) + layer_offset + kvh * HEAD_DIM;
+    const kv_t *kb = reinterpret_cast<const kv_t *>(k_ptrs[s]) + layer_offset + kvh * HEAD_DIM;
+    const kv_t *vb = reinterpret_cast<const kv_t *>(v_ptrs[s]) + layer_offset + kvh * HEAD_DIM;
 
     for (int i = tid; i < BLOCK_M * VEC; i += THREADS) {
         const int r = i / VEC, c = (i % VEC) * 8;
@@ -70,15 +77,21 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_prefill(
         cp_async16(sQ + r * LDS + c, q + ((qbase + (ok ? r : 0)) * num_heads + h) * HEAD_DIM + c, ok);
     }
     cp_async_commit();
+    constexpr int PIECES = HEAD_DIM * (int)sizeof(kv_t) / 16;  // 16-byte pieces of a cached row
     auto load_kv = [&](int t) {
         const int n0 = n_begin + t * BLOCK_N;
-        scalar_t *dk = sK + (t & 1) * BLOCK_N * LDS, *dv = sV + (t & 1) * BLOCK_N * LDS;
-        for (int i = tid; i < BLOCK_N * VEC; i += THREADS) {
-            const int r = i / VEC, c = (i % VEC) * 8, key = n0 + r;
+        for (int i = tid; i < BLOCK_N * PIECES; i += THREADS) {
+            const int r = i / PIECES, c = (i % PIECES) * (16 / (int)sizeof(kv_t)), key = n0 + r;
             const bool ok = key < k_hi;  // keys past the chunk are zeros (never NaN times 0 in P V)
             const long long off = (long long)(ok ? key : 0) * kv_stride + c;
-            cp_async16(dk + r * LDS + c, kb + off, ok);
-            cp_async16(dv + r * LDS + c, vb + off, ok);
+#if KV_FP8
+            unsigned char *dk = st + (t & 1) * 2 * BLOCK_N * HEAD_DIM, *dv = dk + BLOCK_N * HEAD_DIM;
+            cp_async16(dk + r * HEAD_DIM + c, kb + off, ok);
+            cp_async16(dv + r * HEAD_DIM + c, vb + off, ok);
+#else
+            cp_async16(sK + ((t & 1) * BLOCK_N + r) * LDS + c, kb + off, ok);
+            cp_async16(sV + ((t & 1) * BLOCK_N + r) * LDS + c, vb + off, ok);
+#endif
         }
     };
     load_kv(0);
@@ -104,7 +117,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_prefill(
         cp_async_wait<1>();  // tile t has landed
         __syncthreads();
         const int n0 = n_begin + t * BLOCK_N;
+#if KV_FP8
+        kv_tile_to_scalar(st + (t & 1) * 2 * BLOCK_N * HEAD_DIM, sK, BLOCK_N, HEAD_DIM, LDS);
+        kv_tile_to_scalar(st + (t & 1) * 2 * BLOCK_N * HEAD_DIM + BLOCK_N * HEAD_DIM, sV, BLOCK_N, HEAD_DIM, LDS);
+        __syncthreads();
+        const scalar_t *cK = sK, *cV = sV;
+#else
         const scalar_t *cK = sK + (t & 1) * BLOCK_N * LDS, *cV = sV + (t & 1) * BLOCK_N * LDS;
+#endif
         const bool visible = n0 <= wq_hi && (window <= 0 || n0 + BLOCK_N - 1 > wq_lo - window);
         if (visible && wq_lo <= q_last) {
             float sc[STILES][4];

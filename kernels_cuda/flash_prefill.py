@@ -12,8 +12,12 @@ BLOCK_N = 64
 THREADS = 128
 
 
-def smem_bytes(head_dim: int) -> int:
-    """Q tile plus double-buffered K and V tiles, rows padded by 8 elements."""
+def smem_bytes(head_dim: int, kv_fp8: bool = False) -> int:
+    """Q tile plus double-buffered K and V tiles, rows padded by 8 elements; with an fp8
+    cache the tiles arrive as bytes (double-buffered) and are widened into one 16-bit K
+    and V tile."""
+    if kv_fp8:
+        return 2 * BLOCK_M * (head_dim + 8) + 4 * BLOCK_N * head_dim + 2 * 2 * BLOCK_N * (head_dim + 8)
     return 2 * (BLOCK_M + 4 * BLOCK_N) * (head_dim + 8)
 
 
@@ -28,9 +32,11 @@ def tiles(q_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def flash_prefill(q: cp.ndarray, tile_seq: cp.ndarray, tile_q0: cp.ndarray, seq_q_start: cp.ndarray,
                   seq_q_len: cp.ndarray, seq_kv_len: cp.ndarray, k_ptrs: cp.ndarray, v_ptrs: cp.ndarray,
-                  layer_offset: int, num_kv_heads: int, scale: float, out: cp.ndarray, window: int = 0) -> cp.ndarray:
+                  layer_offset: int, num_kv_heads: int, scale: float, out: cp.ndarray, window: int = 0,
+                  kv_fp8: bool = False) -> cp.ndarray:
     """out (T, H, D): each sequence's queries attend causally to its cached keys
-    [0, seq_kv_len) (the chunk's own keys already written), grouped by KV head."""
+    [0, seq_kv_len) (the chunk's own keys already written), grouped by KV head.
+    kv_fp8: the cache holds float8 e4m3 instead of q's 16-bit type."""
     if q.ndim != 3:
         raise ValueError(f"q: expected (T, heads, head_dim), got {q.shape}")
     T, H, D = q.shape
@@ -50,8 +56,9 @@ def flash_prefill(q: cp.ndarray, tile_seq: cp.ndarray, tile_q0: cp.ndarray, seq_
         check(arr, name, dt, (n_seqs,))
     check(out, "out", q.dtype, (T, H, D))
     if n_tiles:
-        kernel = module("flash_prefill", USE_BF16=use_bf16(q), HEAD_DIM=D).get_function("flash_prefill")
-        smem = smem_bytes(D)
+        kernel = module("flash_prefill", USE_BF16=use_bf16(q), HEAD_DIM=D, KV_FP8=int(kv_fp8)).get_function(
+            "flash_prefill")
+        smem = smem_bytes(D, kv_fp8)
         kernel.max_dynamic_shared_size_bytes = smem
         kernel((n_tiles, H), (THREADS,),
                (q, out, tile_seq, tile_q0, seq_q_start, seq_q_len, seq_kv_len, k_ptrs, v_ptrs, i64(layer_offset),

@@ -148,11 +148,15 @@ struct RopeKV {  // weight rows [q (H heads) | k (KVH) | v (KVH)] of HEAD_DIM; H
         const int pos = positions[t];
         float o1, o2;
         rope_rotate(x1, x2, cos_table[(long long)pos * HALF + j], sin_table[(long long)pos * HALF + j], o1, o2);
-        scalar_t *dst = head < heads ? q_out + ((long long)t * heads + head) * HEAD_DIM
-                                     : kv_row(k_ptrs, t, layer_offset, pos, kv_heads * HEAD_DIM) +
-                                           (head - heads) * HEAD_DIM;
-        dst[j] = from_float(o1);
-        dst[j + HALF] = from_float(o2);
+        if (head < heads) {
+            scalar_t *dst = q_out + ((long long)t * heads + head) * HEAD_DIM;
+            dst[j] = from_float(o1);
+            dst[j + HALF] = from_float(o2);
+        } else {
+            kv_t *dst = kv_row(k_ptrs, t, layer_offset, pos, kv_heads * HEAD_DIM) + (head - heads) * HEAD_DIM;
+            dst[j] = to_kv(o1);
+            dst[j + HALF] = to_kv(o2);
+        }
     }
     template <bool WIDE>
     __device__ void store(int bx, int g, int q, const float *v, int B) const {
@@ -178,7 +182,7 @@ struct RopeKV {  // weight rows [q (H heads) | k (KVH) | v (KVH)] of HEAD_DIM; H
                     const int r = g + 8 * half;
                     if (r < B)
                         kv_row(v_ptrs, r, layer_offset, positions[r], kv_heads * HEAD_DIM)[f] =
-                            from_float(biased(v[4 * t + 2 * half + j], v_off + f));
+                            to_kv(biased(v[4 * t + 2 * half + j], v_off + f));
                 }
             }
     }

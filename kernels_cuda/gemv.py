@@ -79,7 +79,8 @@ def gemv_silu(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray, pdl: bool = False) 
 
 def gemv_rope(x: cp.ndarray, w: cp.ndarray, positions: cp.ndarray, cos: cp.ndarray, sin: cp.ndarray,
               k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, layer_offset: int, num_heads: int, num_kv_heads: int,
-              q_out: cp.ndarray, bias: cp.ndarray | None = None, pdl: bool = False) -> cp.ndarray:
+              q_out: cp.ndarray, bias: cp.ndarray | None = None, pdl: bool = False,
+              kv_fp8: bool = False) -> cp.ndarray:
     """The QKV product with RoPE and the KV-cache write in its epilogue: the same bits as
     gemv followed by rope.rope_kv_write (see there for the arguments)."""
     B = x.shape[0]
@@ -93,5 +94,5 @@ def gemv_rope(x: cp.ndarray, w: cp.ndarray, positions: cp.ndarray, cos: cp.ndarr
     # a block takes 4 or 8 (j, j + head_dim / 2) pairs of q/k rows, or 8 or 16 v rows: N / 8 or N / 16 blocks
     _launch("gemv_rope", x, w, 8 * tiles(B), (ptr_or_null(bias), positions, cos, sin, q_out, k_ptrs, v_ptrs,
                                                i64(layer_offset), i32(num_heads), i32(num_kv_heads)),
-            pdl, None, HEAD_DIM=head_dim)
+            pdl, None, HEAD_DIM=head_dim, KV_FP8=int(kv_fp8))
     return q_out

@@ -3,7 +3,7 @@
 // q/k/v bias if the model has one, rotates q and k, writes q (16-bit) for attention
 // and k, v into each token's KV slot.
 //
-// -DHEAD_DIM (even). KV pool layout: (layers, slots, kv_heads, HEAD_DIM); a token's
+// -DHEAD_DIM (even), -DKV_FP8 (the cache's element, common.cuh). KV pool layout: (layers, slots, kv_heads, HEAD_DIM); a token's
 // K row is at k_ptrs[t] + layer_offset + position * kv_heads * HEAD_DIM (elements).
 #include "common.cuh"
 
@@ -29,8 +29,8 @@ extern "C" __global__ void rope_kv_write(
     const int pos = positions[t];
     const float *c = cos_table + (long long)pos * HALF;
     const float *s = sin_table + (long long)pos * HALF;
-    scalar_t *k_dst = kv_row(k_ptrs, t, layer_offset, pos, num_kv_heads * HEAD_DIM);
-    scalar_t *v_dst = kv_row(v_ptrs, t, layer_offset, pos, num_kv_heads * HEAD_DIM);
+    kv_t *k_dst = kv_row(k_ptrs, t, layer_offset, pos, num_kv_heads * HEAD_DIM);
+    kv_t *v_dst = kv_row(v_ptrs, t, layer_offset, pos, num_kv_heads * HEAD_DIM);
     const int rot_pairs = (num_heads + num_kv_heads) * HALF;
     for (int i = threadIdx.x; i < rot_pairs; i += blockDim.x) {
         const int head = i / HALF, j = i % HALF;
@@ -47,11 +47,11 @@ extern "C" __global__ void rope_kv_write(
             q_out[t * num_heads * HEAD_DIM + base + j + HALF] = from_float(o2);
         } else {
             const int kb = (head - num_heads) * HEAD_DIM;
-            k_dst[kb + j] = from_float(o1);
-            k_dst[kb + j + HALF] = from_float(o2);
+            k_dst[kb + j] = to_kv(o1);
+            k_dst[kb + j + HALF] = to_kv(o2);
         }
     }
     const int v_off = (num_heads + num_kv_heads) * HEAD_DIM;
     for (int i = threadIdx.x; i < num_kv_heads * HEAD_DIM; i += blockDim.x)
-        v_dst[i] = from_float(row[v_off + i] + (bias != nullptr ? bias[v_off + i] : 0.0f));
+        v_dst[i] = to_kv(row[v_off + i] + (bias != nullptr ? bias[v_off + i] : 0.0f));
 }

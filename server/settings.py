@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig, SchedulerConfig
 from engine.env import cache_dir as default_cache_dir
 from engine.env import prefixed
 from engine.loader import DEFAULT_MODEL
@@ -41,6 +41,8 @@ class ServeSettings:
     max_waiting: int = _s(1024, "int", "queued requests beyond this get 503 + Retry-After")
     kv_cache_gib: float | None = _s(None, "float", "KV cache size in GiB (default: GPU: from "
                                     "gpu_memory_utilization; CPU: cpu_kv_cache_gib)")
+    kv_cache_dtype: str = _s("auto", "str", "KV cache element: auto (the model's 16-bit type) or fp8 (e4m3, "
+                             "half the memory a token; CUDA only)", KV_CACHE_DTYPES)
     gpu_memory_utilization: float = _s(0.9, "float", "fraction of GPU memory for weights + buffers + KV cache")
     cpu_kv_cache_gib: float = _s(1.0, "float", "KV cache size in GiB on the CPU")
     cpu_weight_dtype: str = _s("auto", "str", "CPU weights: auto (16-bit with the C kernels), float32, float16, "
@@ -77,7 +79,8 @@ class ServeSettings:
             cache_dir=self.cache_dir or str(default_cache_dir()),
             cache=CacheConfig(kv_cache_bytes=int(self.kv_cache_gib * gib) if self.kv_cache_gib else None,
                               gpu_memory_utilization=self.gpu_memory_utilization,
-                              cpu_kv_cache_bytes=int(self.cpu_kv_cache_gib * gib)),
+                              cpu_kv_cache_bytes=int(self.cpu_kv_cache_gib * gib),
+                              kv_cache_dtype=self.kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_model_len=self.max_model_len, max_waiting=self.max_waiting),

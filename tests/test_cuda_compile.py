@@ -1,4 +1,5 @@
-"""Every .cu family compiles with nvcc for sm_80 and sm_90, in fp16 and bf16 (no GPU needed).
+"""Every .cu family compiles with nvcc for sm_80 and sm_90 (the fp8 K/V variants for sm_90),
+in fp16 and bf16 (no GPU needed).
 
 CI machines have nvcc but no GPU: this catches a kernel that does not build before a
 GPU run would. The constants are those of common models (head_dim 64/128, GQA groups).
@@ -16,10 +17,13 @@ import pytest
 KERNELS = Path(__file__).resolve().parent.parent / "kernels_cuda"
 NVCC = shutil.which("nvcc")
 ARCHS = ("-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90")
+FP8_ARCHS = ("-gencode", "arch=compute_90,code=sm_90")  # the e4m3 conversions need sm_89+
 # per family, the -D constant sets it is built with at run time (a representative few)
-VARIANTS = {"flash_decode": [{"HEAD_DIM": 64, "GROUP": 3}, {"HEAD_DIM": 128, "GROUP": 4}],
-            "flash_prefill": [{"HEAD_DIM": 64}, {"HEAD_DIM": 128}],
-            "rope": [{"HEAD_DIM": 64}, {"HEAD_DIM": 128}]}
+VARIANTS = {"flash_decode": [{"HEAD_DIM": 64, "GROUP": 3}, {"HEAD_DIM": 128, "GROUP": 4},
+                             {"HEAD_DIM": 128, "GROUP": 4, "KV_FP8": 1}],
+            "flash_prefill": [{"HEAD_DIM": 64}, {"HEAD_DIM": 128}, {"HEAD_DIM": 128, "KV_FP8": 1}],
+            "rope": [{"HEAD_DIM": 64}, {"HEAD_DIM": 128}, {"HEAD_DIM": 64, "KV_FP8": 1}],
+            "gemv": [{}, {"HEAD_DIM": 64, "KV_FP8": 1}, {"DEPTH": 4}]}
 
 
 def jobs():
@@ -35,7 +39,8 @@ def test_every_kernel_family_compiles(tmp_path):
         cu, defines = job
         flags = [f"-D{k}={v}" for k, v in defines.items()]
         out = tmp_path / f"{cu.stem}-{'-'.join(map(str, defines.values()))}.o"
-        result = subprocess.run([NVCC, "-std=c++17", f"-I{KERNELS}", *flags, *ARCHS, "-c", str(cu), "-o", str(out)],
+        archs = FP8_ARCHS if defines.get("KV_FP8") else ARCHS
+        result = subprocess.run([NVCC, "-std=c++17", f"-I{KERNELS}", *flags, *archs, "-c", str(cu), "-o", str(out)],
                                 capture_output=True, text=True)
         return cu.name, defines, result.returncode, result.stderr[-2000:]
 

@@ -40,6 +40,36 @@ def rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12))
 
 
+def e4m3_values() -> np.ndarray:
+    """The value of each of the 256 float8 e4m3 codes (NaN for 0x7f and 0xff)."""
+    codes = np.arange(256)
+    exp, man = (codes >> 3) & 0xF, codes & 7
+    val = np.where(exp == 0, man / 8 * 2.0 ** -6, (1 + man / 8) * 2.0 ** (exp - 7))
+    val = np.where(codes & 0x80, -val, val)
+    val[(codes & 0x7F) == 0x7F] = np.nan
+    return val.astype(np.float32)
+
+
+E4M3 = e4m3_values()
+E4M3_POS = E4M3[:0x7F]  # codes 0..126, increasing
+
+
+def to_e4m3(x: np.ndarray) -> np.ndarray:
+    """The nearest e4m3 code of each value (saturating at +-448)."""
+    a = np.minimum(np.abs(x), 448.0)
+    hi = np.clip(np.searchsorted(E4M3_POS, a), 1, len(E4M3_POS) - 1)
+    code = np.where(a - E4M3_POS[hi - 1] <= E4M3_POS[hi] - a, hi - 1, hi)
+    return (code | np.where(x < 0, 0x80, 0)).astype(np.uint8)
+
+
+def assert_e4m3_of(codes: np.ndarray, ref: np.ndarray) -> None:
+    """codes hold ref rounded to e4m3: within half a step of 3 mantissa bits (plus the
+    float32 noise of how ref was computed), saturated at 448."""
+    got = E4M3[codes]
+    step = np.maximum(np.abs(ref), 2.0 ** -6) * 2.0 ** -3
+    np.testing.assert_array_less(np.abs(got - np.clip(ref, -448, 448)), 0.5 * step + 1e-6)
+
+
 rng = np.random.default_rng(0)
 
 
@@ -85,7 +115,8 @@ def test_silu_mul(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_rope_kv_write(dtype, head_dim, with_bias):
+@pytest.mark.parametrize("kv8", [False, True], ids=["kv16", "kv8"])
+def test_rope_kv_write(dtype, head_dim, with_bias, kv8):
     from kernels_cuda.rope import rope_kv_write
     T, H, KVH, layers = 9, 6, 2, 3
     qkv = rng.standard_normal((T, (H + 2 * KVH) * head_dim)).astype(np.float32)
@@ -97,25 +128,32 @@ def test_rope_kv_write(dtype, head_dim, with_bias):
     ang = np.arange(64)[:, None] * inv[None]
     cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
     layer = 1
-    k_cache = cp.zeros((layers, slots, KVH, head_dim), np.uint16 if dtype == "bfloat16" else np.float16)
+    scalar = np.uint16 if dtype == "bfloat16" else np.float16
+    k_cache = cp.zeros((layers, slots, KVH, head_dim), np.uint8 if kv8 else scalar)
     v_cache = cp.zeros_like(k_cache)
-    slot_bytes = KVH * head_dim * 2
+    slot_bytes = KVH * head_dim * k_cache.itemsize
     kp = cp.asarray(k_cache.data.ptr + starts * slot_bytes, dtype=cp.int64)
     vp = cp.asarray(v_cache.data.ptr + starts * slot_bytes, dtype=cp.int64)
-    q_out = cp.zeros((T, H, head_dim), k_cache.dtype)
+    q_out = cp.zeros((T, H, head_dim), scalar)
     rope_kv_write(cp.asarray(qkv), cp.asarray(pos), cp.asarray(cos), cp.asarray(sin), kp, vp,
                   layer * slots * KVH * head_dim, H, KVH, head_dim, q_out,
-                  bias=cp.asarray(bias) if with_bias else None)
+                  bias=cp.asarray(bias) if with_bias else None, kv_fp8=kv8)
     x = qkv + (bias if with_bias else 0)
     heads = x.reshape(T, H + 2 * KVH, head_dim)
     half = head_dim // 2
     c, s = cos[pos][:, None], sin[pos][:, None]
     rot = np.concatenate([heads[..., :half] * c - heads[..., half:] * s, heads[..., half:] * c + heads[..., :half] * s], -1)
     assert rel(from_dev(q_out), rot[:, :H]) < tol(dtype)
-    kc, vc = from_dev(k_cache), from_dev(v_cache)
-    for t in range(T):
-        assert rel(kc[layer, starts[t] + pos[t]], rot[t, H:H + KVH]) < tol(dtype)
-        assert rel(vc[layer, starts[t] + pos[t]], heads[t, H + KVH:]) < tol(dtype)
+    if kv8:
+        kc, vc = cp.asnumpy(k_cache), cp.asnumpy(v_cache)
+        for t in range(T):
+            assert_e4m3_of(kc[layer, starts[t] + pos[t]], rot[t, H:H + KVH])
+            assert_e4m3_of(vc[layer, starts[t] + pos[t]], heads[t, H + KVH:])
+    else:
+        kc, vc = from_dev(k_cache), from_dev(v_cache)
+        for t in range(T):
+            assert rel(kc[layer, starts[t] + pos[t]], rot[t, H:H + KVH]) < tol(dtype)
+            assert rel(vc[layer, starts[t] + pos[t]], heads[t, H + KVH:]) < tol(dtype)
     assert not kc[0].any() and not kc[2].any()  # other layers untouched
 
 
@@ -172,7 +210,8 @@ def test_gemv_silu_is_gemv_then_silu_mul(dtype, B):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("B", [1, 11])
-def test_gemv_rope_is_gemv_then_rope_kv_write(dtype, head_dim, B):
+@pytest.mark.parametrize("kv8", [False, True], ids=["kv16", "kv8"])
+def test_gemv_rope_is_gemv_then_rope_kv_write(dtype, head_dim, B, kv8):
     """The QKV product with RoPE and the K/V write in its epilogue gives the bits of the two
     kernels: q, and the cache (other slots and layers untouched)."""
     from kernels_cuda.gemv import gemv, gemv_rope
@@ -188,16 +227,16 @@ def test_gemv_rope_is_gemv_then_rope_kv_write(dtype, head_dim, B):
     slots = B * 32
     results = []
     for run in ("fused", "separate"):
-        kc = cp.zeros((layers, slots, KVH, head_dim), w.dtype)
+        kc = cp.zeros((layers, slots, KVH, head_dim), np.uint8 if kv8 else w.dtype)
         vc = cp.zeros_like(kc)
-        starts = cp.arange(B, dtype=cp.int64) * 32 * KVH * head_dim * 2
+        starts = cp.arange(B, dtype=cp.int64) * 32 * KVH * head_dim * kc.itemsize
         kp, vp = kc.data.ptr + starts, vc.data.ptr + starts
         q = cp.zeros((B, H, head_dim), w.dtype)
         args = (pos, cos, sin, kp, vp, layer * slots * KVH * head_dim, H, KVH)
         if run == "fused":
-            gemv_rope(x, w, *args, q, bias=bias)
+            gemv_rope(x, w, *args, q, bias=bias, kv_fp8=kv8)
         else:
-            rope_kv_write(gemv(x, w), *args, head_dim, q, bias=bias)
+            rope_kv_write(gemv(x, w), *args, head_dim, q, bias=bias, kv_fp8=kv8)
         results.append([cp.asnumpy(a) for a in (q, kc, vc)])
     for fused, separate in zip(*results):
         np.testing.assert_array_equal(fused, separate)
@@ -235,41 +274,47 @@ def ref_attention(q, keys, values, q_positions, window=0):
     return out
 
 
-def make_cache(dtype, layers, slots, KVH, D):
+def make_cache(dtype, layers, slots, KVH, D, kv8=False):
+    """Random K and V pools: (keys, values as the kernels see them in float32, device K, V)."""
     kc = rng.standard_normal((layers, slots, KVH, D)).astype(np.float32)
     vc = rng.standard_normal((layers, slots, KVH, D)).astype(np.float32)
-    return kc, vc, to_dev(kc, dtype), to_dev(vc, dtype)
+    if kv8:
+        k8, v8 = to_e4m3(kc), to_e4m3(vc)
+        return E4M3[k8], E4M3[v8], cp.asarray(k8), cp.asarray(v8)
+    return rounded(kc, dtype), rounded(vc, dtype), to_dev(kc, dtype), to_dev(vc, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 12, 3), (128, 6, 1), (128, 8, 8)])
 @pytest.mark.parametrize("window", [0, 300])
 @pytest.mark.parametrize("chunk", [64, 256])
-def test_flash_decode(dtype, head_dim, heads, kv_heads, window, chunk):
+@pytest.mark.parametrize("kv8", [False, True], ids=["kv16", "kv8"])
+def test_flash_decode(dtype, head_dim, heads, kv_heads, window, chunk, kv8):
     from kernels_cuda.flash_decode import flash_decode
     # 4000: 16 splits of 256 or 63 of 64; 0: a padding row (left untouched); 129: a tile's keys past the end
     kv_lens = np.array([1, 17, 129, 300, 4000, 0], np.int32)
     starts = np.array([0, 10, 50, 100, 500, 0])
     layers, layer, slots = 2, 1, 4600
-    kc, vc, dk, dv = make_cache(dtype, layers, slots, kv_heads, head_dim)
+    kr, vr, dk, dv = make_cache(dtype, layers, slots, kv_heads, head_dim, kv8)
     B = len(kv_lens)
     q = rng.standard_normal((B, heads, head_dim)).astype(np.float32)
-    slot_bytes = kv_heads * head_dim * 2
+    slot_bytes = kv_heads * head_dim * dk.itemsize
     kp = cp.asarray(dk.data.ptr + starts * slot_bytes, dtype=cp.int64)
     vp = cp.asarray(dv.data.ptr + starts * slot_bytes, dtype=cp.int64)
     S = -(-int(kv_lens.max()) // chunk)
     counters = cp.zeros((B, kv_heads), np.int32)
     outs = []
     for _ in range(2):  # the last block of each (row, KV head) combines and leaves its counter at 0
-        out = cp.zeros((B, heads, head_dim), dk.dtype)
-        flash_decode(to_dev(q, dtype), kp, vp, cp.asarray(kv_lens), layer * slots * kv_heads * head_dim, kv_heads,
+        qd = to_dev(q, dtype)
+        out = cp.zeros((B, heads, head_dim), qd.dtype)
+        flash_decode(qd, kp, vp, cp.asarray(kv_lens), layer * slots * kv_heads * head_dim, kv_heads,
                      cp.zeros((B, heads, S, head_dim), np.float32), cp.zeros((B, heads, S, 2), np.float32), counters,
-                     out, 1 / np.sqrt(head_dim), chunk=chunk, window=window)
+                     out, 1 / np.sqrt(head_dim), chunk=chunk, window=window, kv_fp8=kv8)
         assert not counters.any()
         outs.append(cp.asnumpy(out))
     np.testing.assert_array_equal(outs[0], outs[1])
     got = from_dev(out)
-    kr, vr, qr = rounded(kc, dtype), rounded(vc, dtype), rounded(q, dtype)
+    qr = rounded(q, dtype)
     for b in range(B):
         if kv_lens[b] == 0:
             assert not got[b].any()
@@ -280,27 +325,29 @@ def test_flash_decode(dtype, head_dim, heads, kv_heads, window, chunk):
         assert rel(got[b], ref) < tol(dtype), (b, rel(got[b], ref))
 
 
-def check_flash_prefill(dtype, H, KVH, head_dim, q_lens, start_pos, region_starts, layers, layer, slots, window):
+def check_flash_prefill(dtype, H, KVH, head_dim, q_lens, start_pos, region_starts, layers, layer, slots, window,
+                        kv8=False):
     """Ragged chunks (q_lens) after cached prefixes (start_pos) in regions of the cache,
     against the reference attention of each sequence."""
     from kernels_cuda.flash_prefill import flash_prefill, tiles
     q_lens, start_pos = np.asarray(q_lens, np.int32), np.asarray(start_pos, np.int32)
     region_starts = np.asarray(region_starts)
     kv_lens = start_pos + q_lens
-    kc, vc, dk, dv = make_cache(dtype, layers, slots, KVH, head_dim)
+    kr, vr, dk, dv = make_cache(dtype, layers, slots, KVH, head_dim, kv8)
     T = int(q_lens.sum())
     q = rng.standard_normal((T, H, head_dim)).astype(np.float32)
     q_start = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int32)
-    slot_bytes = KVH * head_dim * 2
+    slot_bytes = KVH * head_dim * dk.itemsize
     tile_seq, tile_q0 = tiles(q_lens)
-    out = cp.zeros((T, H, head_dim), dk.dtype)
-    flash_prefill(to_dev(q, dtype), cp.asarray(tile_seq), cp.asarray(tile_q0), cp.asarray(q_start),
+    qd = to_dev(q, dtype)
+    out = cp.zeros((T, H, head_dim), qd.dtype)
+    flash_prefill(qd, cp.asarray(tile_seq), cp.asarray(tile_q0), cp.asarray(q_start),
                   cp.asarray(q_lens), cp.asarray(kv_lens.astype(np.int32)),
                   cp.asarray(dk.data.ptr + region_starts * slot_bytes, dtype=cp.int64),
                   cp.asarray(dv.data.ptr + region_starts * slot_bytes, dtype=cp.int64),
-                  layer * slots * KVH * head_dim, KVH, 1 / np.sqrt(head_dim), out, window=window)
+                  layer * slots * KVH * head_dim, KVH, 1 / np.sqrt(head_dim), out, window=window, kv_fp8=kv8)
     got = from_dev(out)
-    kr, vr, qr = rounded(kc, dtype), rounded(vc, dtype), rounded(q, dtype)
+    qr = rounded(q, dtype)
     for s in range(len(q_lens)):
         sl = slice(q_start[s], q_start[s] + q_lens[s])
         r0 = region_starts[s]
@@ -312,10 +359,11 @@ def check_flash_prefill(dtype, H, KVH, head_dim, q_lens, start_pos, region_start
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("window", [0, 50])
-def test_flash_prefill_ragged_with_cached_prefix(dtype, head_dim, window):
+@pytest.mark.parametrize("kv8", [False, True], ids=["kv16", "kv8"])
+def test_flash_prefill_ragged_with_cached_prefix(dtype, head_dim, window, kv8):
     # chunks after cached prefixes, one of a single query
     check_flash_prefill(dtype, H=6, KVH=2, head_dim=head_dim, q_lens=[1, 70, 130, 64], start_pos=[0, 5, 100, 0],
-                        region_starts=[0, 300, 600, 1000], layers=2, layer=0, slots=1200, window=window)
+                        region_starts=[0, 300, 600, 1000], layers=2, layer=0, slots=1200, window=window, kv8=kv8)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -56,6 +56,21 @@ def test_engine_config_follows_settings():
     assert cfg.cache.kv_cache_bytes == 1 << 29 and cfg.served_model_name == "m"
 
 
+def test_kv_cache_dtype_setting(tmp_path):
+    cfg = ServeSettings(kv_cache_dtype="fp8").engine_config()
+    assert cfg.cache.kv_cache_dtype == "fp8" and cfg.cache.kv_fp8
+    assert not ServeSettings().engine_config().cache.kv_fp8
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        ServeSettings(kv_cache_dtype="int4")
+    from engine.config import CacheConfig, EngineConfig
+    from engine.loader import load_model
+    from engine.runner import make_runner
+    from tests.tiny_models import build_tiny_model
+    model = load_model(str(build_tiny_model(tmp_path, "llama", seed=1)), with_tokenizer=False)
+    with pytest.raises(ValueError, match="needs the CUDA runner"):
+        make_runner(EngineConfig(model="tiny", device="cpu", cache=CacheConfig(kv_cache_dtype="fp8")), model)
+
+
 def test_config_yaml_and_readme_table_are_current():
     result = subprocess.run([sys.executable, "tools/gen_docs.py", "--check"], cwd=ROOT, capture_output=True,
                             text=True)

@@ -70,6 +70,9 @@ else
     if [ "${FULL_BENCH:-0}" = 1 ]; then
         run bench_8b timeout 300 python3 bench/decode.py --model random:llama3-8b --device cuda --batch 1,32,64,128 \
             --prompt-len 512 --max-tokens 128 --kv-cache-gib 24 --json "$OUT/decode_8b.json"
+        run bench_8b_kv8 timeout 300 python3 bench/decode.py --model random:llama3-8b --device cuda \
+            --batch 1,32,64,128 --prompt-len 512 --max-tokens 128 --kv-cache-gib 24 --kv-cache-dtype fp8 \
+            --json "$OUT/decode_8b_kv8.json"
         run prefill_8b timeout 200 python3 bench/prefill.py --model random:llama3-8b --json "$OUT/prefill_8b.json"
         run peer_hf timeout 400 python3 bench/peer_hf.py --shape llama3-8b --batch 1,32,128 --json "$OUT/peer_hf.json"
         python3 -m server.cli serve --model random:llama3-8b --port 8011 --max-num-seqs 256 \

@@ -201,6 +201,11 @@ class CudaRunner:
         self.pdl = pdl_supported() if pdl is None else pdl
         self.dtype_name = "bfloat16" if cfg.dtype == "bfloat16" else "float16"
         self.scalar = np.uint16 if self.dtype_name == "bfloat16" else np.float16
+        self.kv_fp8 = config.cache.kv_fp8  # K/V as float8 e4m3 bytes (uint8 arrays here)
+        if self.kv_fp8 and tuple(int(c) for c in cp.cuda.Device().compute_capability) < (8, 9):
+            raise RuntimeError(f"--kv-cache-dtype {config.cache.kv_cache_dtype} needs compute capability 8.9 or "
+                               f"newer (Ada, Hopper); this GPU is {cp.cuda.Device().compute_capability}")
+        self.kv_dtype = np.dtype(np.uint8) if self.kv_fp8 else np.dtype(self.scalar)
         sched = config.scheduler
         self.max_model_len = sched.model_len(cfg)
         self.rows = bucket_for(sched.max_num_seqs)  # decode rows, a bucket
@@ -237,9 +242,10 @@ class CudaRunner:
         self.weight_bytes = self._weight_bytes()
         self.last_roofline_fraction: float | None = None  # of the last decode step, for /metrics
         self._step_events = (cp.cuda.Event(), cp.cuda.Event())
-        log.info("CUDA runner: %s weights, decode buffers %.1f MiB, KV pool %d slots (%.2f GiB), graphs for %s",
+        log.info("CUDA runner: %s weights, decode buffers %.1f MiB, KV pool %d slots (%.2f GiB, %s), graphs for %s",
                  self.dtype_name, self.buffers.memory_bytes() / 2**20, self.num_kv_slots,
-                 self.kv_pool_bytes / 2**30, sorted(self.graphs) or "none (eager)")
+                 self.kv_pool_bytes / 2**30, "fp8 e4m3" if self.kv_fp8 else self.dtype_name,
+                 sorted(self.graphs) or "none (eager)")
 
     # ------------------------------------------------------------------ setup
 
@@ -322,7 +328,7 @@ class CudaRunner:
 
     def _size_kv_pool(self) -> None:
         cfg, cache = self.config, self.engine_config.cache
-        elem = np.dtype(self.scalar).itemsize
+        elem = self.kv_dtype.itemsize
         per_slot = cfg.kv_bytes_per_token(elem)
         if cache.kv_cache_bytes is not None:
             budget = cache.kv_cache_bytes
@@ -340,8 +346,8 @@ class CudaRunner:
         self.num_kv_slots = int(slots) - 1  # the last slot is the padding rows' scratch
         shape = (cfg.num_layers, self.num_kv_slots + 1, cfg.num_kv_heads, cfg.head_dim)
         with self.stream:
-            self.k_cache = cp.zeros(shape, self.scalar)
-            self.v_cache = cp.zeros(shape, self.scalar)
+            self.k_cache = cp.zeros(shape, self.kv_dtype)
+            self.v_cache = cp.zeros(shape, self.kv_dtype)
             self.stream.synchronize()
         self.kv_pool_bytes = 2 * self.k_cache.nbytes
         self._slot_bytes = cfg.kv_size * elem  # bytes from one slot to the next within a layer
@@ -364,7 +370,7 @@ class CudaRunner:
         the embedding rows are negligible) and the K/V of `kv_tokens` cached tokens."""
         w = self.weights
         embed = 0 if w.lm_head is w.embed_tokens else w.embed_tokens.nbytes
-        return self.weight_bytes - embed + kv_tokens * self.config.kv_bytes_per_token(np.dtype(self.scalar).itemsize)
+        return self.weight_bytes - embed + kv_tokens * self.config.kv_bytes_per_token(self.kv_dtype.itemsize)
 
     # ------------------------------------------------------------------ the model
 
@@ -399,10 +405,12 @@ class CudaRunner:
             offset = i * self._layer_elems
             rope_in = (positions, self.rope_cos, self.rope_sin, k_ptrs, v_ptrs, offset, cfg.num_heads, cfg.num_kv_heads)
             if fused:
-                gemv_rope(b.norm_out[:n], layer.qkv_proj, *rope_in, b.q_rot[:n], bias=layer.qkv_bias, pdl=self.pdl)
+                gemv_rope(b.norm_out[:n], layer.qkv_proj, *rope_in, b.q_rot[:n], bias=layer.qkv_bias, pdl=self.pdl,
+                          kv_fp8=self.kv_fp8)
             else:
                 self._linear(b.norm_out[:n], layer.qkv_proj, b.qkv_out[:n])
-                rope_kv_write(b.qkv_out[:n], *rope_in, cfg.head_dim, b.q_rot[:n], bias=layer.qkv_bias, pdl=self.pdl)
+                rope_kv_write(b.qkv_out[:n], *rope_in, cfg.head_dim, b.q_rot[:n], bias=layer.qkv_bias, pdl=self.pdl,
+                              kv_fp8=self.kv_fp8)
             attention(offset)
             attn = b.attn_out[:n].reshape(n, cfg.q_size)
             self._linear(attn, layer.o_proj, b.o_proj_out[:n], pdl=self.pdl and attn.nbytes <= O_PROJ_PDL_MAX_INPUT)
@@ -424,7 +432,8 @@ class CudaRunner:
         part_o = b.part_o[:n * H * splits * D].reshape(n, H, splits, D)
         part_ml = b.part_ml[:n * H * splits * 2].reshape(n, H, splits, 2)
         flash_decode(q, k_ptrs, v_ptrs, kv_lens, offset, cfg.num_kv_heads, part_o, part_ml, b.attn_counters[:n],
-                     b.attn_out[:n], cfg.softmax_scale, chunk, cfg.sliding_window or 0, pdl=self.pdl)
+                     b.attn_out[:n], cfg.softmax_scale, chunk, cfg.sliding_window or 0, pdl=self.pdl,
+                     kv_fp8=self.kv_fp8)
 
     def _sample(self, n: int) -> None:
         b, d = self.buffers, self.buffers.inputs.dev
@@ -565,7 +574,7 @@ class CudaRunner:
     def _copy_kv(self, src: int, dst: int, n: int) -> None:
         if n <= 0:
             return
-        pitch = self._layer_elems * np.dtype(self.scalar).itemsize
+        pitch = self._layer_elems * self.kv_dtype.itemsize
         for pool in (self.k_cache, self.v_cache):
             cp.cuda.runtime.memcpy2DAsync(pool.data.ptr + dst * self._slot_bytes, pitch,
                                           pool.data.ptr + src * self._slot_bytes, pitch,
@@ -664,7 +673,7 @@ class CudaRunner:
                     self._decode_attention(nd, *decode_args, offset)
                 if nd < len(rows):
                     flash_prefill(b.q_rot[:T], dev["tile_seq"], dev["tile_q0"], *prefill_seqs, offset,
-                                  cfg.num_kv_heads, cfg.softmax_scale, b.attn_out[:T], window)
+                                  cfg.num_kv_heads, cfg.softmax_scale, b.attn_out[:T], window, kv_fp8=self.kv_fp8)
 
             self._layers(T, (dev["tok_pos"], dev["tok_k"], dev["tok_v"]), attention)
             add_rms_norm(b.embed_out[:T], b.down_out[:T], w.norm, cfg.rms_norm_eps, out=b.norm_out[:T])
