@@ -140,7 +140,8 @@ def attention_table(shape: dict, lengths: list[int]) -> list[str]:
     return rows
 
 
-def decode_table(shape_name: str, batches: list[int], context: int, pdl: bool | None = None) -> list[str]:
+def decode_table(shape_name: str, batches: list[int], context: int, pdl: bool | None = None,
+                 kv_dtype: str = "auto") -> list[str]:
     """The decode graph alone vs a whole runner step; `pdl`: programmatic dependent launch."""
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.loader import load_model
@@ -149,7 +150,9 @@ def decode_table(shape_name: str, batches: list[int], context: int, pdl: bool | 
     from engine.runner.cuda_runner import CudaRunner, bucket_for
     model = load_model(f"random:{shape_name}", with_tokenizer=False)
     cfg = model.config
-    config = EngineConfig(model=shape_name, device="cuda", cache=CacheConfig(kv_cache_bytes=8 << 30),
+    pool_bytes = max(8 << 30, int(1.1 * max(batches) * (context + 256) * cfg.kv_bytes_per_token(2)))
+    config = EngineConfig(model=shape_name, device="cuda",
+                          cache=CacheConfig(kv_cache_bytes=pool_bytes, kv_cache_dtype=kv_dtype),
                           scheduler=SchedulerConfig(max_num_seqs=max(batches), max_model_len=context + 256,
                                                     max_num_batched_tokens=max(2048, max(batches))))
     runner = CudaRunner(config, model, progress=False, pdl=pdl)
@@ -170,8 +173,8 @@ def decode_table(shape_name: str, batches: list[int], context: int, pdl: bool | 
             runner.execute(out)
             step.append((time.perf_counter() - t0) * 1e3)
         t_step = statistics.median(step)
-        kv_bytes = B * context * cfg.kv_bytes_per_token(2)
-        rows.append(f"{shape_name} pdl={runner.pdl:d} B={B:<4d} ctx={context}: graph {t_graph:7.3f} ms "
+        kv_bytes = B * context * cfg.kv_bytes_per_token(runner.kv_dtype.itemsize)
+        rows.append(f"{shape_name} pdl={runner.pdl:d} kv={kv_dtype} B={B:<4d} ctx={context}: graph {t_graph:7.3f} ms "
                     f"({(weight_bytes + kv_bytes) / t_graph / 1e6:6.0f} GB/s of weights+KV), runner.execute "
                     f"{t_step:7.3f} ms -> {B / t_step * 1e3:9.1f} tok/s")
     del runner
@@ -233,6 +236,8 @@ def main() -> None:
     ap.add_argument("--skip-matmul", action="store_true")
     ap.add_argument("--gemv-sweep", action="store_true", help="compare gemv.cu shape constants and stop")
     ap.add_argument("--attention", default="", help="prefill attention alone at these lengths, e.g. 2048,8192")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8: the decode graphs' K/V cache "
+                    "(fp8: with programmatic dependent launch only)")
     ap.add_argument("--profile", action="store_true",
                     help="launch the first batch's decode graph once inside cudaProfilerStart/Stop (run under ncu)")
     ap.add_argument("--ncu-summary", default="", help="summarise an ncu --csv file of such a run and stop")
@@ -254,8 +259,9 @@ def main() -> None:
         return
     if not args.skip_matmul:
         lines += matmul_table(SHAPES[args.shape], sorted(set(batches + [1, 2, 4, 8])))
-    lines += decode_table(args.shape, batches, args.context, pdl=False)
-    lines += decode_table(args.shape, batches, args.context, pdl=True)
+    if args.kv_cache_dtype == "auto":
+        lines += decode_table(args.shape, batches, args.context, pdl=False)
+    lines += decode_table(args.shape, batches, args.context, pdl=True, kv_dtype=args.kv_cache_dtype)
     print("\n".join(lines))
 
 
