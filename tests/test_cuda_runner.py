@@ -52,7 +52,10 @@ def test_smollm2_matches_the_numpy_runner(smollm2_gpu, smollm2_runner):
 
 def test_smollm2_fp8_kv_cache_stays_close(smollm2, smollm2_runner):
     """--kv-cache-dtype fp8 on the real model: the prompt's keys and values are written to
-    the e4m3 cache and read back by the prefill attention."""
+    the e4m3 cache and read back by the prefill attention. e4m3 keeps 3 mantissa bits, and
+    that costs SmolLM2 some accuracy whatever the kernels do: the NumPy runner with its K/V
+    rounded to e4m3 agrees with its float32 self on 97.3 % of the top-1 tokens here (mean
+    cosine 0.9977, min 0.965); the GPU run measured 96.9 % (0.9970, 0.950)."""
     gpu = cuda_runner(smollm2, kv_dtype="fp8")
     assert gpu.k_cache.dtype == np.uint8
     ids = DATA["teacher"]["ids"]
@@ -61,7 +64,7 @@ def test_smollm2_fp8_kv_cache_stays_close(smollm2, smollm2_runner):
     cos = cosines(got, ref)
     agree = (got.argmax(1) == ref.argmax(1)).mean()
     print(f"SmolLM2 fp8 K/V vs NumPy: min cosine {cos.min():.5f}, mean {cos.mean():.5f}, top-1 agreement {agree:.4f}")
-    assert cos.min() >= 0.99 and agree >= 0.9
+    assert cos.mean() >= 0.995 and cos.min() >= 0.9 and agree >= 0.95
 
 
 @pytest.mark.parametrize("name,kv_dtype", [("llama", "auto"), ("qwen2", "auto"), ("mistral", "auto"),
