@@ -14,9 +14,10 @@
 // blocks of a KV head to finish (a counter per pair, back to 0 after) combines the
 // partials into the output: no separate reduce kernel. Maxima are in the log2 domain.
 //
-// -DHEAD_DIM (multiple of 16), -DGROUP (query heads per KV head, <= 16), -DCHUNK
-// (multiple of KEYS), -DKV_FP8 (e4m3 cache: tiles are widened to 16 bits in shared memory
-// before the MMAs). Dynamic shared memory: flash_decode.smem_bytes(). KV pool layout:
+// -DHEAD_DIM (multiple of 16; of 32 with KV_FP8), -DGROUP (query heads per KV head, <= 16),
+// -DCHUNK (multiple of KEYS), -DKV_FP8 (e4m3 cache: the byte tiles stay as they arrive and
+// each lane converts its own fragments, with keys and dims permuted inside a tile so that a
+// lane reads whole 32-bit words). Dynamic shared memory: flash_decode.smem_bytes(). KV pool layout:
 // (layers, slots, kv_heads, HEAD_DIM); row b's keys start at k_ptrs[b] + layer_offset.
 #include "common.cuh"
 
@@ -40,6 +41,19 @@ constexpr int OTILES = HEAD_DIM / 8;   // 8-wide column tiles of the output
 constexpr int VEC = HEAD_DIM / 8;      // 16-byte groups per row
 static_assert(GROUP <= 16, "a query tile holds 16 heads");
 static_assert(CHUNK % KEYS == 0, "CHUNK must be a multiple of KEYS");
+
+#if KV_FP8
+#define SROW (HEAD_DIM + 16)  // bytes from one staged K/V row to the next (16-byte aligned, spreads banks)
+static_assert(HEAD_DIM % 32 == 0, "the fp8 path takes the output 32 dims at a time");
+// Score tile j, column c <-> key 4 (c / 2) + 2 j + c % 2 of the warp's 16, so that a lane's
+// P slots (columns 2q, 2q+1 of both tiles) are keys 4q..4q+3 (the k order of an MMA is free).
+__device__ __forceinline__ int key_of(int j, int c) { return 4 * (c >> 1) + 2 * j + (c & 1); }
+// Output tile j, column c <-> head dim 32 (j / 4) + 4 c + j % 4 (one V word of 4 dims a lane).
+__device__ __forceinline__ int out_dim(int j, int c) { return 32 * (j >> 2) + 4 * c + (j & 3); }
+#else
+__device__ __forceinline__ int key_of(int j, int c) { return 8 * j + c; }
+__device__ __forceinline__ int out_dim(int j, int c) { return 8 * j + c; }
+#endif
 
 __device__ __forceinline__ int window_start(int kv_len, int window) {
     return window > 0 && kv_len > window ? kv_len - window : 0;
@@ -72,11 +86,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_decode_chunk(
 
     extern __shared__ __align__(128) unsigned char smem[];
     scalar_t *sQ = reinterpret_cast<scalar_t *>(smem);  // 16 x LDS
-#if KV_FP8  // tiles arrive as bytes (double-buffered) and are widened into one 16-bit K and V tile
-    unsigned char *st = reinterpret_cast<unsigned char *>(sQ + 16 * LDS);  // [2][K, V][KEYS][HEAD_DIM]
-    scalar_t *sK = reinterpret_cast<scalar_t *>(st + 4 * KEYS * HEAD_DIM);  // KEYS x LDS
-    scalar_t *sV = sK + KEYS * LDS;                                          // KEYS x LDS
-    float *scratch_a = reinterpret_cast<float *>(sK), *scratch_b = reinterpret_cast<float *>(st);
+#if KV_FP8  // byte tiles, double-buffered; the MMA fragments are converted from them directly
+    unsigned char *st = reinterpret_cast<unsigned char *>(sQ + 16 * LDS);  // [2][K, V][KEYS][SROW]
+    float *scratch_a = reinterpret_cast<float *>(st), *scratch_b = reinterpret_cast<float *>(st + 2 * KEYS * SROW);
 #else
     scalar_t *sK = sQ + 16 * LDS;        // 2 x KEYS x LDS
     scalar_t *sV = sK + 2 * KEYS * LDS;  // 2 x KEYS x LDS
@@ -101,9 +113,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_decode_chunk(
             const bool ok = key < end;  // keys past the end are zeros (never NaN times 0 in P V)
             const long long off = (long long)(ok ? key : start) * kv_stride + c;
 #if KV_FP8
-            unsigned char *dk = st + (t & 1) * 2 * KEYS * HEAD_DIM, *dv = dk + KEYS * HEAD_DIM;
-            cp_async16(dk + r * HEAD_DIM + c, kb + off, ok);
-            cp_async16(dv + r * HEAD_DIM + c, vb + off, ok);
+            unsigned char *dk = st + (t & 1) * 2 * KEYS * SROW, *dv = dk + KEYS * SROW;
+            cp_async16(dk + r * SROW + c, kb + off, ok);
+            cp_async16(dv + r * SROW + c, vb + off, ok);
 #else
             cp_async16(sK + ((t & 1) * KEYS + r) * LDS + c, kb + off, ok);
             cp_async16(sV + ((t & 1) * KEYS + r) * LDS + c, vb + off, ok);
@@ -117,7 +129,18 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_decode_chunk(
 
     unsigned qf[KSTEPS][4];
 #pragma unroll
-    for (int kk = 0; kk < KSTEPS; kk++) ldsm_x4(qf[kk], sQ + (lane & 15) * LDS + kk * 16 + (lane >> 4) * 8);
+    for (int kk = 0; kk < KSTEPS; kk++) {
+#if KV_FP8  // k slots 2q, 2q+1, 2q+8, 2q+9 of a step hold dims 4q..4q+3 (K is permuted alike)
+        const uint2 lo = *reinterpret_cast<const uint2 *>(sQ + g * LDS + kk * 16 + 4 * qd);
+        const uint2 hi = *reinterpret_cast<const uint2 *>(sQ + (g + 8) * LDS + kk * 16 + 4 * qd);
+        qf[kk][0] = lo.x;
+        qf[kk][1] = hi.x;
+        qf[kk][2] = lo.y;
+        qf[kk][3] = hi.y;
+#else
+        ldsm_x4(qf[kk], sQ + (lane & 15) * LDS + kk * 16 + (lane >> 4) * 8);
+#endif
+    }
 
     float o[OTILES][4];
 #pragma unroll
@@ -130,19 +153,23 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_decode_chunk(
         cp_async_commit();
         cp_async_wait<1>();  // tile t has landed
         __syncthreads();
-#if KV_FP8
-        kv_tile_to_scalar(st + (t & 1) * 2 * KEYS * HEAD_DIM, sK, KEYS, HEAD_DIM, LDS);
-        kv_tile_to_scalar(st + (t & 1) * 2 * KEYS * HEAD_DIM + KEYS * HEAD_DIM, sV, KEYS, HEAD_DIM, LDS);
-        __syncthreads();
-        const int buf = 0;
-#else
-        const int buf = t & 1;
-#endif
         const int n0 = start + t * KEYS + warp * 16;  // this warp's 16 keys
         if (n0 < end) {
-            const scalar_t *cK = sK + (buf * KEYS + warp * 16) * LDS;
-            const scalar_t *cV = sV + (buf * KEYS + warp * 16) * LDS;
             float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#if KV_FP8
+            const unsigned char *cK = st + ((t & 1) * 2 * KEYS + warp * 16) * SROW;
+            const unsigned char *cV = cK + KEYS * SROW;
+#pragma unroll
+            for (int kk = 0; kk < KSTEPS; kk++)
+#pragma unroll
+                for (int j = 0; j < 2; j++) {  // the key of column g of score tile j: see key_of
+                    const unsigned w = *reinterpret_cast<const unsigned *>(cK + key_of(j, g) * SROW + kk * 16 + 4 * qd);
+                    mma_16816(sc[j], qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], kv2_to_scalar2(w & 0xffff),
+                              kv2_to_scalar2(w >> 16));
+                }
+#else
+            const scalar_t *cK = sK + ((t & 1) * KEYS + warp * 16) * LDS;
+            const scalar_t *cV = sV + ((t & 1) * KEYS + warp * 16) * LDS;
 #pragma unroll
             for (int kk = 0; kk < KSTEPS; kk++) {
                 unsigned kf[4];
@@ -150,12 +177,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_decode_chunk(
                 mma_16816(sc[0], qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], kf[0], kf[1]);
                 mma_16816(sc[1], qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], kf[2], kf[3]);
             }
+#endif
             if (n0 + 16 > end) {
 #pragma unroll
                 for (int j = 0; j < 2; j++)
 #pragma unroll
                     for (int i = 0; i < 4; i++)
-                        if (n0 + j * 8 + 2 * qd + (i & 1) >= end) sc[j][i] = NEG_INF;
+                        if (n0 + key_of(j, 2 * qd + (i & 1)) >= end) sc[j][i] = NEG_INF;
             }
             float base[2], corr[2];
 #pragma unroll
@@ -181,20 +209,38 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_decode_chunk(
             const unsigned a0 = pack2(sc[0][0], sc[0][1]), a1 = pack2(sc[0][2], sc[0][3]);
             const unsigned a2 = pack2(sc[1][0], sc[1][1]), a3 = pack2(sc[1][2], sc[1][3]);
 #pragma unroll
-            for (int j = 0; j < OTILES; j += 2) {
+            for (int j = 0; j < OTILES; j++) {
                 o[j][0] *= corr[0];
                 o[j][1] *= corr[0];
                 o[j][2] *= corr[1];
                 o[j][3] *= corr[1];
-                o[j + 1][0] *= corr[0];
-                o[j + 1][1] *= corr[0];
-                o[j + 1][2] *= corr[1];
-                o[j + 1][3] *= corr[1];
+            }
+#if KV_FP8
+            // k slots 2q, 2q+1, 2q+8, 2q+9 of P are keys 4q..4q+3 (key_of); output tiles 4u..4u+3
+            // take dims 32u + 4n + (0..3) at column n (out_dim), so a lane's four V words (keys
+            // 4q..4q+3, dims 32u + 4g..+3) transposed bytewise feed four MMAs
+#pragma unroll
+            for (int u = 0; u < OTILES / 4; u++) {
+                unsigned w[4];
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+                    w[i] = *reinterpret_cast<const unsigned *>(cV + (4 * qd + i) * SROW + 32 * u + 4 * g);
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const unsigned sel = e | ((e + 4) << 4);  // byte e of the first word, then of the second
+                    const unsigned k01 = __byte_perm(w[0], w[1], sel), k23 = __byte_perm(w[2], w[3], sel);
+                    mma_16816(o[4 * u + e], a0, a1, a2, a3, kv2_to_scalar2(k01 & 0xffff), kv2_to_scalar2(k23 & 0xffff));
+                }
+            }
+#else
+#pragma unroll
+            for (int j = 0; j < OTILES; j += 2) {
                 unsigned vf[4];
                 ldsm_x4_trans(vf, cV + ((lane & 7) + ((lane >> 3) & 1) * 8) * LDS + j * 8 + (lane >> 4) * 8);
                 mma_16816(o[j], a0, a1, a2, a3, vf[0], vf[1]);
                 mma_16816(o[j + 1], a0, a1, a2, a3, vf[2], vf[3]);
             }
+#endif
         }
         __syncthreads();  // everyone is done with buffer t & 1 before tile t + 2 overwrites it
     }
@@ -218,8 +264,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_decode_chunk(
         }
 #pragma unroll
         for (int j = 0; j < OTILES; j++) {
-            red_o[(warp * GROUP + row) * HEAD_DIM + j * 8 + 2 * qd] = o[j][2 * r];
-            red_o[(warp * GROUP + row) * HEAD_DIM + j * 8 + 2 * qd + 1] = o[j][2 * r + 1];
+            red_o[(warp * GROUP + row) * HEAD_DIM + out_dim(j, 2 * qd)] = o[j][2 * r];
+            red_o[(warp * GROUP + row) * HEAD_DIM + out_dim(j, 2 * qd + 1)] = o[j][2 * r + 1];
         }
     }
     __syncthreads();

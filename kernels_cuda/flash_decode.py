@@ -15,11 +15,10 @@ KEYS = 64  # keys per shared-memory tile; a chunk is a multiple of it
 
 
 def smem_bytes(head_dim: int, kv_fp8: bool = False) -> int:
-    """The 16-row query tile and double-buffered K and V tiles, rows padded by 8 elements;
-    with an fp8 cache the tiles arrive as bytes (double-buffered) and are widened into one
-    16-bit K and V tile."""
+    """The 16-row query tile and double-buffered K and V tiles, rows padded by 8 elements
+    (fp8: byte rows padded by 16 bytes)."""
     if kv_fp8:
-        return 2 * 16 * (head_dim + 8) + 4 * KEYS * head_dim + 2 * 2 * KEYS * (head_dim + 8)
+        return 2 * 16 * (head_dim + 8) + 4 * KEYS * (head_dim + 16)
     return 2 * (16 + 4 * KEYS) * (head_dim + 8)
 
 
@@ -41,8 +40,8 @@ def flash_decode(q: cp.ndarray, k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, kv_lens:
     check(q, "q", q.dtype)
     if H % num_kv_heads:
         raise ValueError(f"{H} query heads are not a multiple of {num_kv_heads} KV heads")
-    if D % 16 or D > 256:
-        raise ValueError(f"head_dim {D} must be a multiple of 16 and at most 256")
+    if D % (32 if kv_fp8 else 16) or D > 256:
+        raise ValueError(f"head_dim {D} must be a multiple of {32 if kv_fp8 else 16} and at most 256")
     if H // num_kv_heads > 16:
         raise ValueError(f"{H // num_kv_heads} query heads per KV head: at most 16")
     if chunk % KEYS:

@@ -205,6 +205,9 @@ class CudaRunner:
         if self.kv_fp8 and tuple(int(c) for c in cp.cuda.Device().compute_capability) < (8, 9):
             raise RuntimeError(f"--kv-cache-dtype {config.cache.kv_cache_dtype} needs compute capability 8.9 or "
                                f"newer (Ada, Hopper); this GPU is {cp.cuda.Device().compute_capability}")
+        if self.kv_fp8 and cfg.head_dim % 32:
+            raise ValueError(f"--kv-cache-dtype {config.cache.kv_cache_dtype} needs a head_dim that is a multiple "
+                             f"of 32; this model's is {cfg.head_dim}")
         self.kv_dtype = np.dtype(np.uint8) if self.kv_fp8 else np.dtype(self.scalar)
         sched = config.scheduler
         self.max_model_len = sched.model_len(cfg)
