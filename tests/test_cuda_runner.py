@@ -68,7 +68,8 @@ def test_smollm2_fp8_kv_cache_stays_close(smollm2, smollm2_runner):
 
 
 @pytest.mark.parametrize("name,kv_dtype", [("llama", "auto"), ("qwen2", "auto"), ("mistral", "auto"),
-                                           ("llama_tied_mha", "auto"), ("llama", "fp8"), ("mistral", "fp8")])
+                                           ("llama_tied_mha", "auto"), ("llama_hd64", "fp8"),
+                                           ("mistral_hd32", "fp8")])
 def test_tiny_models_match_the_numpy_runner(tmp_path, name, kv_dtype):
     """A ragged prefill through the eager path, then decode steps through execute()
     (the captured graph), against the NumPy runner's logits; with an fp8 K/V cache the
@@ -104,6 +105,12 @@ def test_tiny_models_match_the_numpy_runner(tmp_path, name, kv_dtype):
         assert cos.min() >= 0.99 and agree >= 0.9
     else:
         assert cos.min() >= 0.999 and agree >= 0.99
+
+
+def test_tiny_fp8_kv_cache_needs_head_dim_multiple_of_32(tmp_path):
+    model = load_model(str(build_tiny_model(tmp_path, "llama", seed=5)), with_tokenizer=False)  # head_dim 16
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cuda_runner(model, max_model_len=REGION, kv_dtype="fp8")
 
 
 def test_long_context_uses_many_splits(tmp_path):

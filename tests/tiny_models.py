@@ -18,6 +18,11 @@ TINY_SPECS = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=1, sliding_window=6)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2, num_attention_heads=6,
                                                       hidden_size=96)),
+    # head dims of real models (the fp8 K/V decode kernel takes multiples of 32)
+    "llama_hd64": ("LlamaConfig", "LlamaForCausalLM", dict(hidden_size=128, num_attention_heads=2,
+                                                           num_key_value_heads=1)),
+    "mistral_hd32": ("MistralConfig", "MistralForCausalLM", dict(num_attention_heads=2, num_key_value_heads=1,
+                                                               sliding_window=6)),
 }
 
 
