@@ -105,22 +105,15 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_decode_chunk(
     const kv_t *kb = reinterpret_cast<const kv_t *>(k_ptrs[b]) + layer_offset + kvh * HEAD_DIM;
     const kv_t *vb = reinterpret_cast<const kv_t *>(v_ptrs[b]) + layer_offset + kvh * HEAD_DIM;
     const int n_tiles = (end - start + KEYS - 1) / KEYS;
-    constexpr int PIECES = HEAD_DIM * (int)sizeof(kv_t) / 16;  // 16-byte pieces of a cached row
-    auto load_kv = [&](int t) {
-        const int n0 = start + t * KEYS;
-        for (int i = tid; i < KEYS * PIECES; i += THREADS) {
-            const int r = i / PIECES, c = (i % PIECES) * (16 / (int)sizeof(kv_t)), key = n0 + r;
-            const bool ok = key < end;  // keys past the end are zeros (never NaN times 0 in P V)
-            const long long off = (long long)(ok ? key : start) * kv_stride + c;
+    auto load_kv = [&](int t) {  // tile t: keys start + t * KEYS ..
 #if KV_FP8
-            unsigned char *dk = st + (t & 1) * 2 * KEYS * SROW, *dv = dk + KEYS * SROW;
-            cp_async16(dk + r * SROW + c, kb + off, ok);
-            cp_async16(dv + r * SROW + c, vb + off, ok);
+        kv_t *dk = st + (t & 1) * 2 * KEYS * SROW;
+        load_kv_tile<KEYS, HEAD_DIM, THREADS>(dk, dk + KEYS * SROW, SROW, kb, vb, kv_stride, start + t * KEYS, end,
+                                              start);
 #else
-            cp_async16(sK + ((t & 1) * KEYS + r) * LDS + c, kb + off, ok);
-            cp_async16(sV + ((t & 1) * KEYS + r) * LDS + c, vb + off, ok);
+        load_kv_tile<KEYS, HEAD_DIM, THREADS>(sK + (t & 1) * KEYS * LDS, sV + (t & 1) * KEYS * LDS, LDS, kb, vb,
+                                              kv_stride, start + t * KEYS, end, start);
 #endif
-        }
     };
     load_kv(0);
     cp_async_commit();

@@ -40,13 +40,19 @@ def smollm2_gpu(smollm2):
     return cuda_runner(smollm2)
 
 
-def test_smollm2_matches_the_numpy_runner(smollm2_gpu, smollm2_runner):
+def teacher_forced(gpu, smollm2_runner, label: str) -> tuple[np.ndarray, float]:
+    """Logit cosines and top-1 agreement of one teacher-forced prefill, GPU against NumPy."""
     ids = DATA["teacher"]["ids"]
     ref = smollm2_runner.forward(prefill_step([ids]), all_logits=True)
-    got = smollm2_gpu.forward(prefill_step([ids]), all_logits=True)
+    got = gpu.forward(prefill_step([ids]), all_logits=True)
     cos = cosines(got, ref)
-    agree = (got.argmax(1) == ref.argmax(1)).mean()
-    print(f"SmolLM2 GPU vs NumPy: min cosine {cos.min():.5f}, mean {cos.mean():.5f}, top-1 agreement {agree:.4f}")
+    agree = float((got.argmax(1) == ref.argmax(1)).mean())
+    print(f"{label} vs NumPy: min cosine {cos.min():.5f}, mean {cos.mean():.5f}, top-1 agreement {agree:.4f}")
+    return cos, agree
+
+
+def test_smollm2_matches_the_numpy_runner(smollm2_gpu, smollm2_runner):
+    cos, agree = teacher_forced(smollm2_gpu, smollm2_runner, "SmolLM2 GPU")
     assert cos.min() >= 0.999 and agree >= 0.99
 
 
@@ -58,12 +64,7 @@ def test_smollm2_fp8_kv_cache_stays_close(smollm2, smollm2_runner):
     cosine 0.9977, min 0.965); the GPU run measured 96.9 % (0.9970, 0.950)."""
     gpu = cuda_runner(smollm2, kv_dtype="fp8")
     assert gpu.k_cache.dtype == np.uint8
-    ids = DATA["teacher"]["ids"]
-    ref = smollm2_runner.forward(prefill_step([ids]), all_logits=True)
-    got = gpu.forward(prefill_step([ids]), all_logits=True)
-    cos = cosines(got, ref)
-    agree = (got.argmax(1) == ref.argmax(1)).mean()
-    print(f"SmolLM2 fp8 K/V vs NumPy: min cosine {cos.min():.5f}, mean {cos.mean():.5f}, top-1 agreement {agree:.4f}")
+    cos, agree = teacher_forced(gpu, smollm2_runner, "SmolLM2 fp8 K/V")
     assert cos.mean() >= 0.995 and cos.min() >= 0.9 and agree >= 0.95
 
 
