@@ -3,6 +3,11 @@ products of a shape at small batches (our GEMV vs cuBLAS), and the decode graph
 alone vs a whole runner step (the difference is host work).
 
     python bench/kernels.py --shape llama3-8b --batch 1,8,64
+    python bench/kernels.py --shape llama3-8b --batch 32,64 --context 4096 --skip-matmul --kv-cache-dtype fp8
+    ncu --profile-from-start off --graph-profiling node --csv --print-units base \
+        --metrics gpu__time_duration.sum,dram__bytes_read.sum \
+        python bench/kernels.py --shape llama3-8b --batch 1 --profile > ncu.csv
+    python bench/kernels.py --ncu-summary ncu.csv      # each kernel of one decode graph, by name
 """
 
 from __future__ import annotations
