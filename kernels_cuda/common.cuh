@@ -108,55 +108,6 @@ __device__ __forceinline__ float block_max(float v, float *scratch) {
     return warp_max(v);
 }
 
-// ------------------------------------------------------------------ RMSNorm of one row
-// Written for latency (a decode step runs two a layer on a handful of rows): every thread
-// of the block loads its first NORM_VEC float4 of the row (and of the delta) at once and
-// keeps them in registers for the second pass; a row longer than that (or one whose
-// length is not a multiple of 4) goes through the plain loop for the rest.
-#define NORM_VEC 4
-
-// residual += delta (+ bias) when delta is not null; out = rms_norm(residual) * w.
-__device__ __forceinline__ void norm_row(float *__restrict__ r, const float *__restrict__ d,
-                                         const float *__restrict__ bias, const float *__restrict__ w,
-                                         scalar_t *__restrict__ out, int hidden, float eps) {
-    __shared__ float scratch[32];
-    const int n4 = hidden % 4 == 0 ? min(hidden / 4, NORM_VEC * (int)blockDim.x) : 0;
-    float4 v[NORM_VEC];
-    float ss = 0.0f;
-#pragma unroll
-    for (int u = 0; u < NORM_VEC; u++) {
-        const int i = threadIdx.x + u * blockDim.x;
-        if (i >= n4) break;
-        v[u] = reinterpret_cast<const float4 *>(r)[i];
-        if (d != nullptr) {
-            const float4 e = __ldcg(reinterpret_cast<const float4 *>(d) + i);  // may come from other blocks
-            const float4 b = bias != nullptr ? reinterpret_cast<const float4 *>(bias)[i] : make_float4(0, 0, 0, 0);
-            v[u] = make_float4(v[u].x + e.x + b.x, v[u].y + e.y + b.y, v[u].z + e.z + b.z, v[u].w + e.w + b.w);
-            reinterpret_cast<float4 *>(r)[i] = v[u];
-        }
-        ss += v[u].x * v[u].x + v[u].y * v[u].y + v[u].z * v[u].z + v[u].w * v[u].w;
-    }
-    for (int i = 4 * n4 + threadIdx.x; i < hidden; i += blockDim.x) {
-        float x = r[i];
-        if (d != nullptr) {
-            x += __ldcg(d + i) + (bias != nullptr ? bias[i] : 0.0f);
-            r[i] = x;
-        }
-        ss += x * x;
-    }
-    const float inv = rsqrtf(block_sum(ss, scratch) / hidden + eps);
-#pragma unroll
-    for (int u = 0; u < NORM_VEC; u++) {
-        const int i = threadIdx.x + u * blockDim.x;
-        if (i >= n4) break;
-        const float4 g = reinterpret_cast<const float4 *>(w)[i];
-        scalar2_t *o = reinterpret_cast<scalar2_t *>(out) + 2 * i;
-        o[0] = from_float2(v[u].x * inv * g.x, v[u].y * inv * g.y);
-        o[1] = from_float2(v[u].z * inv * g.z, v[u].w * inv * g.w);
-    }
-    for (int i = 4 * n4 + threadIdx.x; i < hidden; i += blockDim.x) out[i] = from_float(r[i] * inv * w[i]);
-}
-
 // ------------------------------------------------------------------ tensor cores (sm_80+)
 // Inline PTX rather than <mma.h>: NVRTC needs no toolkit headers for these.
 

@@ -83,7 +83,6 @@ template <int TILES>
 struct Plain {
     float *y;
     int N;
-    __device__ void finish(int) const {}  // what the block does after its outputs are stored
     __device__ long long row(int bx, int s) const { return (long long)bx * 8 * TILES + s; }
     template <bool WIDE>
     __device__ void store(int bx, int g, int q, const float *v, int B) const {
@@ -104,7 +103,6 @@ struct SiluMul {  // weight rows [gate (inter) | up (inter)], inter % (4 TILES) 
     scalar_t *act;  // (B, inter)
     int inter;
     static constexpr int PER = 4 * TILES;  // gate (and up) rows of a block
-    __device__ void finish(int) const {}
     __device__ long long row(int bx, int s) const { return (s < PER ? 0 : inter) + (long long)bx * PER + s % PER; }
     template <bool WIDE>
     __device__ void store(int bx, int g, int q, const float *v, int B) const {
@@ -134,7 +132,6 @@ struct RopeKV {  // weight rows [q (H heads) | k (KVH) | v (KVH)] of HEAD_DIM; H
     long long layer_offset;
     int heads, kv_heads;
     static constexpr int PER = 4 * TILES;  // (j, j + HALF) pairs of a block
-    __device__ void finish(int) const {}
     __device__ int pair_blocks() const { return (heads + kv_heads) * HALF / PER; }
     __device__ long long row(int bx, int s) const {
         if (bx >= pair_blocks())
@@ -191,35 +188,6 @@ struct RopeKV {  // weight rows [q (H heads) | k (KVH) | v (KVH)] of HEAD_DIM; H
     }
 };
 
-// Plain, and then the residual add + RMSNorm of the B rows that reads y: the last block to
-// finish (a counter, back to 0 after) runs it, so no separate kernel follows the product.
-// One block does every row in turn, so the runner uses it for a row or two only.
-template <int TILES>
-struct AddNorm : Plain<TILES> {
-    float *residual;       // (B, N) float32, += y (+ bias)
-    const float *bias;     // (N) or null
-    const float *norm_w;   // (N)
-    scalar_t *norm_out;    // (B, N) 16-bit
-    float eps;
-    int *counter;          // zero between launches
-    __device__ void finish(int B) const {
-        __shared__ bool last;
-        __threadfence();
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
-            if (last) *counter = 0;
-        }
-        __syncthreads();
-        if (!last) return;
-        __threadfence();
-        const int N = this->N;
-        for (int r = 0; r < B; r++)
-            norm_row(residual + (long long)r * N, this->y + (long long)r * N, bias, norm_w,
-                     norm_out + (long long)r * N, N, eps);
-    }
-};
-
 template <bool WIDE, int TILES, class Epilogue>  // WIDE: rows 8..15 of x exist (B > 8)
 __device__ __forceinline__ void skinny(const scalar_t *__restrict__ x, const scalar_t *__restrict__ w, int B, int N,
                                        int K, int prefetch, const Epilogue &epi) {
@@ -270,7 +238,6 @@ __device__ __forceinline__ void skinny(const scalar_t *__restrict__ x, const sca
         }
         epi.template store<WIDE>(blockIdx.x, g, q, s, B);
     }
-    epi.finish(B);
 }
 
 // Kernels: grid (blocks the epilogue asks for), block (32 WARPS); prefetch: bytes of each
@@ -290,10 +257,6 @@ __device__ __forceinline__ void skinny(const scalar_t *__restrict__ x, const sca
 
 // y (B, N) float32
 SKINNY_KERNELS(gemv, Plain, ({y, N}), float *__restrict__ y)
-// y (B, N) float32, then residual += y (+ bias), norm_out = RMSNorm(residual) * norm_w
-SKINNY_KERNELS(gemv_add_norm, AddNorm, ({{y, N}, residual, bias, norm_w, norm_out, eps, counter}),
-               float *__restrict__ y, float *__restrict__ residual, const float *__restrict__ bias,
-               const float *__restrict__ norm_w, scalar_t *__restrict__ norm_out, float eps, int *counter)
 // act (B, N / 2) 16-bit = SiLU(gate) * up
 SKINNY_KERNELS(gemv_silu, SiluMul, ({act, N / 2}), scalar_t *__restrict__ act)
 // q_out (B, H, HEAD_DIM) and the token's K/V rows; N = (heads + 2 kv_heads) * HEAD_DIM

@@ -5,7 +5,7 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
-from ._module import check, check_scalar, f32, i32, i64, launch, module, ptr_or_null, same_scalar, use_bf16
+from ._module import check, check_scalar, i32, i64, launch, module, ptr_or_null, same_scalar, use_bf16
 from .rope import check_rope_args
 
 # The runner uses this kernel for every step of up to MAX_ROWS rows, so a sequence's logits
@@ -61,27 +61,6 @@ def gemv(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray | None = None, pdl: bool 
     check(out, "out", np.float32, (x.shape[0], w.shape[0]))
     _launch("gemv", x, w, 8 * tiles(x.shape[0]), (out,), pdl, config)
     return out
-
-
-def gemv_add_norm(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray, residual: cp.ndarray, norm_weight: cp.ndarray,
-                  eps: float, norm_out: cp.ndarray, counter: cp.ndarray, bias: cp.ndarray | None = None,
-                  pdl: bool = False) -> cp.ndarray:
-    """out = x @ w^T as gemv, then residual += out (+ bias) and norm_out = RMSNorm(residual) *
-    norm_weight (rmsnorm.add_rms_norm), run by the product's last block: one kernel instead
-    of two. That block takes the rows one after the other, so this is for a row or two.
-    counter: one int32, zero between launches (the kernel leaves it zero)."""
-    B, N = x.shape[0], w.shape[0]
-    check(out, "out", np.float32, (B, N))
-    check(residual, "residual", np.float32, (B, N))
-    check(norm_weight, "norm_weight", np.float32, (N,))
-    check_scalar(norm_out, "norm_out")
-    check(norm_out, "norm_out", w.dtype, (B, N))
-    check(counter, "counter", np.int32, (1,))
-    if bias is not None:
-        check(bias, "bias", np.float32, (N,))
-    _launch("gemv_add_norm", x, w, 8 * tiles(B), (out, residual, ptr_or_null(bias), norm_weight, norm_out,
-                                                  f32(eps), counter), pdl, None)
-    return norm_out
 
 
 def gemv_silu(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray, pdl: bool = False) -> cp.ndarray:

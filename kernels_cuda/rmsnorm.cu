@@ -2,8 +2,55 @@
 // One block per row; the residual stream is float32, the normed output 16-bit
 // (it feeds a matrix product), the norm weights float32.
 //
-// The row work is common.cuh's norm_row (the skinny GEMM's add-norm epilogue runs it too).
+// A decode step runs two of these per layer on one row each, so they are written for
+// latency: every thread loads its first NORM_VEC float4 of the row (and of the delta) at
+// once and keeps them in registers for the second pass; a row longer than that (or one
+// whose length is not a multiple of 4) goes through the plain loop for the rest.
 #include "common.cuh"
+
+#define NORM_VEC 4
+
+// residual += delta (+ bias) when delta is not null; out = rms_norm(residual) * w.
+__device__ __forceinline__ void norm_row(float *__restrict__ r, const float *__restrict__ d,
+                                         const float *__restrict__ bias, const float *__restrict__ w,
+                                         scalar_t *__restrict__ out, int hidden, float eps) {
+    __shared__ float scratch[32];
+    const int n4 = hidden % 4 == 0 ? min(hidden / 4, NORM_VEC * (int)blockDim.x) : 0;
+    float4 v[NORM_VEC];
+    float ss = 0.0f;
+#pragma unroll
+    for (int u = 0; u < NORM_VEC; u++) {
+        const int i = threadIdx.x + u * blockDim.x;
+        if (i >= n4) break;
+        v[u] = reinterpret_cast<const float4 *>(r)[i];
+        if (d != nullptr) {
+            const float4 e = reinterpret_cast<const float4 *>(d)[i];
+            const float4 b = bias != nullptr ? reinterpret_cast<const float4 *>(bias)[i] : make_float4(0, 0, 0, 0);
+            v[u] = make_float4(v[u].x + e.x + b.x, v[u].y + e.y + b.y, v[u].z + e.z + b.z, v[u].w + e.w + b.w);
+            reinterpret_cast<float4 *>(r)[i] = v[u];
+        }
+        ss += v[u].x * v[u].x + v[u].y * v[u].y + v[u].z * v[u].z + v[u].w * v[u].w;
+    }
+    for (int i = 4 * n4 + threadIdx.x; i < hidden; i += blockDim.x) {
+        float x = r[i];
+        if (d != nullptr) {
+            x += d[i] + (bias != nullptr ? bias[i] : 0.0f);
+            r[i] = x;
+        }
+        ss += x * x;
+    }
+    const float inv = rsqrtf(block_sum(ss, scratch) / hidden + eps);
+#pragma unroll
+    for (int u = 0; u < NORM_VEC; u++) {
+        const int i = threadIdx.x + u * blockDim.x;
+        if (i >= n4) break;
+        const float4 g = reinterpret_cast<const float4 *>(w)[i];
+        scalar2_t *o = reinterpret_cast<scalar2_t *>(out) + 2 * i;
+        o[0] = from_float2(v[u].x * inv * g.x, v[u].y * inv * g.y);
+        o[1] = from_float2(v[u].z * inv * g.z, v[u].w * inv * g.w);
+    }
+    for (int i = 4 * n4 + threadIdx.x; i < hidden; i += blockDim.x) out[i] = from_float(r[i] * inv * w[i]);
+}
 
 // out = x / sqrt(mean(x^2) + eps) * w
 extern "C" __global__ void rms_norm(const float *__restrict__ x, const float *__restrict__ w,

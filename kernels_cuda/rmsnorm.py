@@ -7,10 +7,7 @@ import numpy as np
 
 from ._module import check, check_scalar, f32, i32, launch, module, ptr_or_null, use_bf16
 
-# The skinny GEMM's add-norm epilogue (gemv.gemv_add_norm) runs the same row code with its
-# 256-thread block; the same block size here makes the two give the same bits (the sum of
-# squares is reduced in the same order), which keeps decode steps batch-invariant.
-THREADS = 256
+THREADS = 512
 
 
 def _out(out, rows, hidden, dtype):

@@ -27,7 +27,7 @@ from kernels_cuda.flash_decode import flash_decode
 from kernels_cuda.flash_prefill import flash_prefill, tiles
 from kernels_cuda.gemm import gemm
 from kernels_cuda.gemv import MAX_ROWS as GEMV_MAX_ROWS
-from kernels_cuda.gemv import gemv, gemv_add_norm, gemv_rope, gemv_silu
+from kernels_cuda.gemv import gemv, gemv_rope, gemv_silu
 from kernels_cuda._module import pdl_supported
 from kernels_cuda.rmsnorm import add_rms_norm, rms_norm
 from kernels_cuda.rope import rope_kv_write
@@ -54,9 +54,6 @@ GRAPH_RESERVE_BYTES = 512 << 20  # left free for cuBLAS workspaces and graph ins
 # B=8 5.07 -> 4.85 ms a step, B=16 7.44 -> 6.34 ms without the overlap; B=1 and SmolLM2's
 # small rows are as fast or faster with it).
 O_PROJ_PDL_MAX_INPUT = 16 << 10
-# Steps of up to this many rows run the residual add + RMSNorm after the o and down
-# projections in the product's last block (gemv_add_norm) instead of a kernel of their own.
-ADD_NORM_MAX_ROWS = 2
 
 
 def decode_chunk(max_model_len: int, rows: int, max_splits: int = FLASH_MAX_SPLITS) -> int:
@@ -155,7 +152,6 @@ class DecodeBuffers:
     part_o: cp.ndarray  # flat f32 flash-decode partial outputs, (rows, heads, splits, head_dim) per bucket
     part_ml: cp.ndarray  # flat f32 their max and sum, (rows, heads, splits, 2)
     attn_counters: cp.ndarray  # (R, kv_heads) int32 split blocks done per (row, KV head), 0 between steps
-    norm_counter: cp.ndarray  # (1,) int32 blocks done of a product that ends in the add + norm, 0 between
     sampled: cp.ndarray  # (R,) int32
     lp_value: cp.ndarray  # (R,) f32
     lp_rank: cp.ndarray  # (R,) int32
@@ -325,7 +321,6 @@ class CudaRunner:
             part_o=cp.zeros(parts * D, np.float32),
             part_ml=cp.zeros(parts * 2, np.float32),
             attn_counters=cp.zeros((R, cfg.num_kv_heads), np.int32),
-            norm_counter=cp.zeros(1, np.int32),
             sampled=cp.zeros(R, np.int32),
             lp_value=cp.zeros(R, np.float32),
             lp_rank=cp.zeros(R, np.int32),
@@ -396,26 +391,21 @@ class CudaRunner:
         cfg = self.config
         return n <= GEMV_MAX_ROWS and cfg.intermediate_size % 8 == 0 and cfg.head_dim % 16 == 0
 
-    def _layers(self, n: int, rope: tuple, attention, final_out: cp.ndarray) -> None:
-        """The decoder layers over the first n rows of the activation buffers, and the final
-        norm into final_out. rope: (positions, k_ptrs, v_ptrs) of the n tokens;
-        attention(layer_offset) reads q_rot and writes attn_out."""
+    def _layers(self, n: int, rope: tuple, attention) -> None:
+        """The decoder layers over the first n rows of the activation buffers; the
+        residual stream ends un-added (the last down projection is added by the caller).
+        rope: (positions, k_ptrs, v_ptrs) of the n tokens; attention(layer_offset) reads q_rot
+        and writes attn_out."""
         cfg, b, w = self.config, self.buffers, self.weights
         eps = cfg.rms_norm_eps
         fused = self._fused(n)
-        norm_in_product = fused and n <= ADD_NORM_MAX_ROWS
         positions, k_ptrs, v_ptrs = rope
-
-        def linear_add_norm(x, mat, delta, norm_w, out, bias=None, pdl=self.pdl):
-            """delta = x @ mat^T; residual += delta (+ bias); out = RMSNorm(residual) * norm_w"""
-            if norm_in_product:
-                gemv_add_norm(x, mat, delta, b.embed_out[:n], norm_w, eps, out, b.norm_counter, bias=bias, pdl=pdl)
-            else:
-                self._linear(x, mat, delta, pdl=pdl)
-                add_rms_norm(b.embed_out[:n], delta, norm_w, eps, out=out, bias=bias, pdl=self.pdl)
-
-        rms_norm(b.embed_out[:n], w.layers[0].input_layernorm, eps, out=b.norm_out[:n], pdl=self.pdl)
         for i, layer in enumerate(w.layers):
+            if i == 0:
+                rms_norm(b.embed_out[:n], layer.input_layernorm, eps, out=b.norm_out[:n], pdl=self.pdl)
+            else:
+                add_rms_norm(b.embed_out[:n], b.down_out[:n], layer.input_layernorm, eps, out=b.norm_out[:n],
+                             pdl=self.pdl)
             offset = i * self._layer_elems
             rope_in = (positions, self.rope_cos, self.rope_sin, k_ptrs, v_ptrs, offset, cfg.num_heads, cfg.num_kv_heads)
             if fused:
@@ -427,16 +417,15 @@ class CudaRunner:
                               kv_fp8=self.kv_fp8)
             attention(offset)
             attn = b.attn_out[:n].reshape(n, cfg.q_size)
-            linear_add_norm(attn, layer.o_proj, b.o_proj_out[:n], layer.post_attention_layernorm, b.norm_out[:n],
-                            bias=layer.o_bias, pdl=self.pdl and attn.nbytes <= O_PROJ_PDL_MAX_INPUT)
+            self._linear(attn, layer.o_proj, b.o_proj_out[:n], pdl=self.pdl and attn.nbytes <= O_PROJ_PDL_MAX_INPUT)
+            add_rms_norm(b.embed_out[:n], b.o_proj_out[:n], layer.post_attention_layernorm, eps,
+                         out=b.norm_out[:n], bias=layer.o_bias, pdl=self.pdl)
             if fused:
                 gemv_silu(b.norm_out[:n], layer.gate_up_proj, b.mlp_act[:n], pdl=self.pdl)
             else:
                 self._linear(b.norm_out[:n], layer.gate_up_proj, b.gate_up_out[:n])
                 silu_mul(b.gate_up_out[:n], out=b.mlp_act[:n], pdl=self.pdl)
-            last = i + 1 == len(w.layers)
-            linear_add_norm(b.mlp_act[:n], layer.down_proj, b.down_out[:n],
-                            w.norm if last else w.layers[i + 1].input_layernorm, final_out if last else b.norm_out[:n])
+            self._linear(b.mlp_act[:n], layer.down_proj, b.down_out[:n])
 
     def _decode_attention(self, n: int, q: cp.ndarray, k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, kv_lens: cp.ndarray,
                           offset: int) -> None:
@@ -458,14 +447,16 @@ class CudaRunner:
 
     def _decode_body(self, n: int) -> None:
         """One decode step for n rows (a bucket): no host work, no branches on data."""
-        b, w = self.buffers, self.weights
+        cfg, b, w = self.config, self.buffers, self.weights
         d = b.inputs.dev
         embedding(d["input_ids"][:n], w.embed_tokens, b.embed_out[:n], pdl=self.pdl)
 
         def attention(offset: int) -> None:
             self._decode_attention(n, b.q_rot[:n], d["k_ptrs"][:n], d["v_ptrs"][:n], d["kv_lens"][:n], offset)
 
-        self._layers(n, (d["positions"][:n], d["k_ptrs"][:n], d["v_ptrs"][:n]), attention, b.final_norm_out[:n])
+        self._layers(n, (d["positions"][:n], d["k_ptrs"][:n], d["v_ptrs"][:n]), attention)
+        add_rms_norm(b.embed_out[:n], b.down_out[:n], w.norm, cfg.rms_norm_eps, out=b.final_norm_out[:n],
+                     pdl=self.pdl)
         self._linear(b.final_norm_out[:n], w.lm_head, b.logits[:n])
         self._sample(n)
 
@@ -688,7 +679,8 @@ class CudaRunner:
                     flash_prefill(b.q_rot[:T], dev["tile_seq"], dev["tile_q0"], *prefill_seqs, offset,
                                   cfg.num_kv_heads, cfg.softmax_scale, b.attn_out[:T], window, kv_fp8=self.kv_fp8)
 
-            self._layers(T, (dev["tok_pos"], dev["tok_k"], dev["tok_v"]), attention, b.norm_out[:T])
+            self._layers(T, (dev["tok_pos"], dev["tok_k"], dev["tok_v"]), attention)
+            add_rms_norm(b.embed_out[:T], b.down_out[:T], w.norm, cfg.rms_norm_eps, out=b.norm_out[:T])
             result = RunnerOutput()
             prompt_rows = [i for i, r in enumerate(rows) if r.want_prompt_logprobs]
             for i in prompt_rows:
