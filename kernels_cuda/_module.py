@@ -31,6 +31,19 @@ def module(family: str, **defines: int) -> cp.RawModule:
     return mod
 
 
+_SMEM_SET: set[tuple[int, str]] = set()
+
+
+def function(mod: cp.RawModule, name: str, dynamic_smem: int = 0) -> cp.RawKernel:
+    """A kernel of a module; with dynamic_smem, allowed that much dynamic shared memory (the
+    attribute is set once per kernel, not at every launch)."""
+    kernel = mod.get_function(name)
+    if dynamic_smem and (id(mod), name) not in _SMEM_SET:
+        kernel.max_dynamic_shared_size_bytes = dynamic_smem
+        _SMEM_SET.add((id(mod), name))
+    return kernel
+
+
 def use_bf16(arr: cp.ndarray) -> int:
     check_scalar(arr, "tensor")
     return int(arr.dtype == np.uint16)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
-from ._module import check, check_scalar, f32, i32, i64, launch, module, use_bf16
+from ._module import check, check_scalar, f32, function, i32, i64, launch, module, use_bf16
 
 CHUNK_THREADS = 128
 MAX_SPLITS = 64  # flash_decode.cu's bound on the splits of one sequence
@@ -57,10 +57,8 @@ def flash_decode(q: cp.ndarray, k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, kv_lens:
     check(out, "out", q.dtype, (B, H, D))
     mod = module("flash_decode", USE_BF16=use_bf16(q), HEAD_DIM=D, GROUP=H // num_kv_heads, CHUNK=chunk,
                  KV_FP8=int(kv_fp8))
-    kernel = mod.get_function("flash_decode_chunk")
     smem = smem_bytes(D, kv_fp8)
-    kernel.max_dynamic_shared_size_bytes = smem
-    launch(kernel, (S, num_kv_heads, B), (CHUNK_THREADS,),
+    launch(function(mod, "flash_decode_chunk", smem), (S, num_kv_heads, B), (CHUNK_THREADS,),
            (q, k_ptrs, v_ptrs, kv_lens, i64(layer_offset), part_o, part_ml, counters, out, i32(H), i32(num_kv_heads),
             i32(S), i32(window), f32(scale)), shared_mem=smem, pdl=pdl)
     return out

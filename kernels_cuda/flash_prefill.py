@@ -5,7 +5,7 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
-from ._module import check, check_scalar, f32, i32, i64, module, use_bf16
+from ._module import check, check_scalar, f32, function, i32, i64, module, use_bf16
 
 BLOCK_M = 64
 BLOCK_N = 64
@@ -56,10 +56,9 @@ def flash_prefill(q: cp.ndarray, tile_seq: cp.ndarray, tile_q0: cp.ndarray, seq_
         check(arr, name, dt, (n_seqs,))
     check(out, "out", q.dtype, (T, H, D))
     if n_tiles:
-        kernel = module("flash_prefill", USE_BF16=use_bf16(q), HEAD_DIM=D, KV_FP8=int(kv_fp8)).get_function(
-            "flash_prefill")
         smem = smem_bytes(D, kv_fp8)
-        kernel.max_dynamic_shared_size_bytes = smem
+        kernel = function(module("flash_prefill", USE_BF16=use_bf16(q), HEAD_DIM=D, KV_FP8=int(kv_fp8)),
+                          "flash_prefill", smem)
         kernel((n_tiles, H), (THREADS,),
                (q, out, tile_seq, tile_q0, seq_q_start, seq_q_len, seq_kv_len, k_ptrs, v_ptrs, i64(layer_offset),
                 i32(H), i32(num_kv_heads), i32(window), f32(scale)), shared_mem=smem)

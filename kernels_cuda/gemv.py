@@ -28,10 +28,11 @@ def tiles(rows: int) -> int:
     return 1 if rows <= 8 else 2
 
 
-def _launch(name: str, x: cp.ndarray, w: cp.ndarray, features_per_block: int, extra: tuple, pdl: bool,
-            config: dict | None, **defines: int) -> None:
-    """Checks shared by the skinny kernels, then the launch (x, w, B, N, K, prefetch, *extra)
-    over N / features_per_block blocks (rounded up)."""
+def _launch(name: str, x: cp.ndarray, w: cp.ndarray, extra: tuple, pdl: bool, config: dict | None,
+            **defines: int) -> None:
+    """Checks shared by the skinny kernels, then the launch (x, w, B, N, K, prefetch, *extra):
+    a block per 8 weight rows (16 from 9 rows on, see tiles), whatever the epilogue makes of
+    them (SiLU pairs, RoPE pairs: N / 8 or N / 16 blocks all the same)."""
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"gemv: x {x.shape} and w {w.shape} do not chain")
     B, K = x.shape
@@ -46,7 +47,7 @@ def _launch(name: str, x: cp.ndarray, w: cp.ndarray, features_per_block: int, ex
     cfg = config or (CONFIG if B <= 4 else CONFIG_WIDE)
     prefetch = min(2 * K, PREFETCH_BUDGET // N) // 16 * 16  # the first bytes of every row
     kernel = module("gemv", USE_BF16=use_bf16(w), **cfg, **defines).get_function(f"{name}_{8 if B <= 8 else 16}")
-    grid = -(-N // features_per_block)
+    grid = -(-N // (8 * tiles(B)))
     launch(kernel, (grid,), (32 * cfg["WARPS"],), (x, w, i32(B), i32(N), i32(K), i32(prefetch), *extra), pdl=pdl)
 
 
@@ -59,7 +60,7 @@ def gemv(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray | None = None, pdl: bool 
     if out is None:
         out = cp.empty((x.shape[0], w.shape[0]), np.float32)
     check(out, "out", np.float32, (x.shape[0], w.shape[0]))
-    _launch("gemv", x, w, 8 * tiles(x.shape[0]), (out,), pdl, config)
+    _launch("gemv", x, w, (out,), pdl, config)
     return out
 
 
@@ -73,7 +74,7 @@ def gemv_silu(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray, pdl: bool = False) 
         raise ValueError(f"gemv_silu: 2 * intermediate = {w.shape[0]} must be a multiple of 16")
     check_scalar(out, "out")
     check(out, "out", w.dtype, (x.shape[0], inter))
-    _launch("gemv_silu", x, w, 8 * tiles(x.shape[0]), (out,), pdl, None)
+    _launch("gemv_silu", x, w, (out,), pdl, None)
     return out
 
 
@@ -91,8 +92,6 @@ def gemv_rope(x: cp.ndarray, w: cp.ndarray, positions: cp.ndarray, cos: cp.ndarr
                          "must be a multiple of 16")
     check_rope_args(B, width, positions, cos, sin, k_ptrs, v_ptrs, q_out, num_heads, head_dim, bias)
     check(q_out, "q_out", w.dtype)
-    # a block takes 4 or 8 (j, j + head_dim / 2) pairs of q/k rows, or 8 or 16 v rows: N / 8 or N / 16 blocks
-    _launch("gemv_rope", x, w, 8 * tiles(B), (ptr_or_null(bias), positions, cos, sin, q_out, k_ptrs, v_ptrs,
-                                               i64(layer_offset), i32(num_heads), i32(num_kv_heads)),
-            pdl, None, HEAD_DIM=head_dim, KV_FP8=int(kv_fp8))
+    _launch("gemv_rope", x, w, (ptr_or_null(bias), positions, cos, sin, q_out, k_ptrs, v_ptrs, i64(layer_offset),
+                                i32(num_heads), i32(num_kv_heads)), pdl, None, HEAD_DIM=head_dim, KV_FP8=int(kv_fp8))
     return q_out

@@ -210,6 +210,8 @@ class CudaRunner:
             raise ValueError(f"--kv-cache-dtype {config.cache.kv_cache_dtype} needs a head_dim that is a multiple "
                              f"of 32; this model's is {cfg.head_dim}")
         self.kv_dtype = np.dtype(np.uint8) if self.kv_fp8 else np.dtype(self.scalar)
+        # the fused epilogues pair 8 gate/up rows and 8 (j, j + head_dim / 2) dims a block
+        self._epilogue_shapes_fit = cfg.intermediate_size % 8 == 0 and cfg.head_dim % 16 == 0
         sched = config.scheduler
         self.max_model_len = sched.model_len(cfg)
         self.rows = bucket_for(sched.max_num_seqs)  # decode rows, a bucket
@@ -388,8 +390,7 @@ class CudaRunner:
         """Steps of up to GEMV_MAX_ROWS rows run the skinny GEMM with RoPE + K/V write in the
         QKV product's epilogue and SiLU * up in the gate/up product's (same bits, 3 fewer
         kernels a layer); larger steps run cuBLAS and the separate kernels."""
-        cfg = self.config
-        return n <= GEMV_MAX_ROWS and cfg.intermediate_size % 8 == 0 and cfg.head_dim % 16 == 0
+        return n <= GEMV_MAX_ROWS and self._epilogue_shapes_fit
 
     def _layers(self, n: int, rope: tuple, attention) -> None:
         """The decoder layers over the first n rows of the activation buffers; the
