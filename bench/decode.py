@@ -84,11 +84,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--kv-cache-gib", type=float, default=None)
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8 (e4m3)")
+    ap.add_argument("--quantization", default=None, help="fp8: e4m3 layer weights (default: 16-bit)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
     kv = int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None
-    config = EngineConfig(model=args.model, device=args.device,
+    config = EngineConfig(model=args.model, device=args.device, quantization=args.quantization,
                           cache=CacheConfig(kv_cache_bytes=kv, kv_cache_dtype=args.kv_cache_dtype),
                           scheduler=SchedulerConfig(max_num_seqs=max(batches), max_waiting=max(batches),
                                                     max_num_batched_tokens=max(2048, max(batches)),
@@ -99,7 +100,8 @@ def main() -> None:
     results = [run_batch(engine, b, args.prompt_len, args.max_tokens) for b in batches]
     engine.shutdown()
     device = getattr(engine.runner, "device", "?")
-    print(f"model={args.model} device={device} kv_cache_dtype={args.kv_cache_dtype} prompt_len={args.prompt_len} "
+    print(f"model={args.model} device={device} kv_cache_dtype={args.kv_cache_dtype} "
+          f"quantization={args.quantization} prompt_len={args.prompt_len} "
           f"max_tokens={args.max_tokens}"
           + (f" bandwidth={results[0]['bandwidth_gb_s']:.0f} GB/s" if "bandwidth_gb_s" in results[0] else ""))
     print(f"{'batch':>6} {'tok/s':>10} {'decode tok/s':>13} {'ms/step':>9} {'roofline tok/s':>15} {'% roofline':>11}")

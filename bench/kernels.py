@@ -88,6 +88,45 @@ def matmul_table(shape: dict, batches: list[int]) -> list[str]:
     return rows
 
 
+def fp8_table(shape: dict, batches: list[int]) -> list[str]:
+    """--quantization fp8's matrix products against the 16-bit ones, per matrix of a shape:
+    cuBLAS fp16 vs cuBLASLt e4m3 (alone, with fast accumulation, and with the per-token
+    quantization of x in front), and the skinny GEMM on 16-bit vs e4m3 weights."""
+    from kernels_cuda import gemm as gemm_mod
+    from kernels_cuda.gemm import gemm, gemm_fp8
+    from kernels_cuda.gemv import MAX_ROWS, gemv
+    from kernels_cuda.quant import quantize_matrix, quantize_rows
+    rows = []
+    for name, (n, k, _) in step_matrices(shape).items():
+        if name == "lm_head":
+            continue  # stays 16-bit
+        ws = rotating_weights(n, k)
+        w8 = [quantize_matrix(w) for w in ws]
+        for b in batches:
+            x = (cp.random.standard_normal((b, k), dtype=cp.float32)).astype(cp.float16)
+            out = cp.empty((b, n), cp.float32)
+            xq, xs = quantize_rows(x)
+            cells = []
+            if b <= MAX_ROWS:
+                t16, t8 = time_rotating(gemv, x, ws, out), time_rotating(gemv, x, w8, out)
+                cells.append(f"gemv fp16 {t16 * 1e3:7.1f} us fp8 {t8 * 1e3:7.1f} us ({t16 / t8:4.2f}x, "
+                             f"{n * k / t8 / 1e6:5.0f} GB/s)")
+            else:
+                t16 = time_rotating(gemm, x, ws, out)
+                t8 = time_rotating(lambda x_, w_, o_: gemm_fp8(xq, w_, o_), x, w8, out)
+                gemm_mod.FAST_ACCUM = True
+                t8f = time_rotating(lambda x_, w_, o_: gemm_fp8(xq, w_, o_), x, w8, out)
+                gemm_mod.FAST_ACCUM = False
+                tq = time_rotating(lambda x_, w_, o_: gemm_fp8(quantize_rows(x_, xq, xs)[0], w_, o_), x, w8, out)
+                flops = 2 * b * n * k
+                cells.append(f"cublas fp16 {t16 * 1e3:7.1f} us ({flops / t16 / 1e9:5.0f} TFLOP/s)  lt fp8 "
+                             f"{t8 * 1e3:7.1f} us ({flops / t8 / 1e9:5.0f})  fast-accum {t8f * 1e3:7.1f} us  "
+                             f"+quantize x {tq * 1e3:7.1f} us ({t16 / tq:4.2f}x)")
+            rows.append(f"fp8 {name:8s} {n:6d}x{k:<6d} B={b:<5d} " + "  ".join(cells))
+        del ws, w8
+    return rows
+
+
 SWEEP = [{"WARPS": 8, "DEPTH": 8}, {"WARPS": 8, "DEPTH": 4}, {"WARPS": 16, "DEPTH": 4}, {"WARPS": 4, "DEPTH": 8},
          {"WARPS": 16, "DEPTH": 8}]  # gemv.cu shape constants to compare
 
@@ -146,7 +185,7 @@ def attention_table(shape: dict, lengths: list[int]) -> list[str]:
 
 
 def decode_table(shape_name: str, batches: list[int], context: int, pdl: bool | None = None,
-                 kv_dtype: str = "auto") -> list[str]:
+                 kv_dtype: str = "auto", quantization: str | None = None) -> list[str]:
     """The decode graph alone vs a whole runner step; `pdl`: programmatic dependent launch."""
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.loader import load_model
@@ -156,12 +195,12 @@ def decode_table(shape_name: str, batches: list[int], context: int, pdl: bool | 
     model = load_model(f"random:{shape_name}", with_tokenizer=False)
     cfg = model.config
     pool_bytes = max(8 << 30, int(1.1 * max(batches) * (context + 256) * cfg.kv_bytes_per_token(2)))
-    config = EngineConfig(model=shape_name, device="cuda",
+    config = EngineConfig(model=shape_name, device="cuda", quantization=quantization,
                           cache=CacheConfig(kv_cache_bytes=pool_bytes, kv_cache_dtype=kv_dtype),
                           scheduler=SchedulerConfig(max_num_seqs=max(batches), max_model_len=context + 256,
                                                     max_num_batched_tokens=max(2048, max(batches))))
     runner = CudaRunner(config, model, progress=False, pdl=pdl)
-    weight_bytes = 2 * cfg.num_params()
+    weight_bytes = runner.decode_step_bytes(0)
     rows = []
     greedy = SamplingParams(temperature=0)
     for B in batches:
@@ -179,7 +218,7 @@ def decode_table(shape_name: str, batches: list[int], context: int, pdl: bool | 
             step.append((time.perf_counter() - t0) * 1e3)
         t_step = statistics.median(step)
         kv_bytes = B * context * cfg.kv_bytes_per_token(runner.kv_dtype.itemsize)
-        rows.append(f"{shape_name} pdl={runner.pdl:d} kv={kv_dtype} B={B:<4d} ctx={context}: graph {t_graph:7.3f} ms "
+        rows.append(f"{shape_name} pdl={runner.pdl:d} kv={kv_dtype} w={quantization or '16'} B={B:<4d} ctx={context}: graph {t_graph:7.3f} ms "
                     f"({(weight_bytes + kv_bytes) / t_graph / 1e6:6.0f} GB/s of weights+KV), runner.execute "
                     f"{t_step:7.3f} ms -> {B / t_step * 1e3:9.1f} tok/s")
     del runner
@@ -243,6 +282,8 @@ def main() -> None:
     ap.add_argument("--attention", default="", help="prefill attention alone at these lengths, e.g. 2048,8192")
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8: the decode graphs' K/V cache "
                     "(fp8: with programmatic dependent launch only)")
+    ap.add_argument("--fp8", action="store_true", help="the fp8 matrix products against the 16-bit ones and stop")
+    ap.add_argument("--quantization", default=None, help="fp8: the decode graphs with e4m3 layer weights")
     ap.add_argument("--profile", action="store_true",
                     help="launch the first batch's decode graph once inside cudaProfilerStart/Stop (run under ncu)")
     ap.add_argument("--ncu-summary", default="", help="summarise an ncu --csv file of such a run and stop")
@@ -262,11 +303,15 @@ def main() -> None:
     if args.gemv_sweep:
         print("\n".join(lines + gemv_sweep(SHAPES[args.shape], batches)))
         return
+    if args.fp8:
+        print("\n".join(lines + fp8_table(SHAPES[args.shape], batches)))
+        return
     if not args.skip_matmul:
         lines += matmul_table(SHAPES[args.shape], sorted(set(batches + [1, 2, 4, 8])))
-    if args.kv_cache_dtype == "auto":
+    if args.kv_cache_dtype == "auto" and args.quantization is None:
         lines += decode_table(args.shape, batches, args.context, pdl=False)
-    lines += decode_table(args.shape, batches, args.context, pdl=True, kv_dtype=args.kv_cache_dtype)
+    lines += decode_table(args.shape, batches, args.context, pdl=True, kv_dtype=args.kv_cache_dtype,
+                          quantization=args.quantization)
     print("\n".join(lines))
 
 

@@ -25,20 +25,31 @@ from engine import Engine, EngineConfig, SamplingParams, SchedulerConfig  # noqa
 from engine.config import CacheConfig, ModelConfig  # noqa: E402
 
 
-def gemm_rate(n: int = 8192, repeats: int = 10) -> float:
-    """fp16 cuBLAS FLOP/s on random n x n x n operands."""
+def gemm_rate(n: int = 8192, repeats: int = 10, fp8: bool = False) -> float:
+    """cuBLAS FLOP/s on random n x n x n operands: fp16, or (fp8) cuBLASLt's e4m3 product with
+    per-row scales (--quantization fp8's, the quantization of x not included)."""
     import cupy as cp
 
-    from kernels_cuda.gemm import gemm
+    from kernels_cuda.gemm import gemm, gemm_fp8
+    from kernels_cuda.quant import quantize_matrix, quantize_rows
     a = cp.random.standard_normal((n, n), dtype=cp.float32).astype(cp.float16)
     b = cp.random.standard_normal((n, n), dtype=cp.float32).astype(cp.float16)
     out = cp.empty((n, n), cp.float32)
-    gemm(a, b, out)
+    if fp8:
+        aq, _ = quantize_rows(a)
+        b8 = quantize_matrix(b)
+
+        def run():
+            gemm_fp8(aq, b8, out)
+    else:
+        def run():
+            gemm(a, b, out)
+    run()
     start, end = cp.cuda.Event(), cp.cuda.Event()
     times = []
     for _ in range(repeats):
         start.record()
-        gemm(a, b, out)
+        run()
         end.record()
         end.synchronize()
         times.append(cp.cuda.get_elapsed_time(start, end) * 1e-3)
@@ -79,17 +90,21 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--lengths", default="128,256,512,1024,2048,4096,8192")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quantization", default=None, help="fp8: e4m3 layer weights; the floor then takes the fp8 "
+                    "GEMM rate")
     ap.add_argument("--json")
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     longest = max(lengths)
     config = EngineConfig(model=args.model, device=args.device, cache=CacheConfig(kv_cache_bytes=8 << 30),
+                          quantization=args.quantization,
                           scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=longest,
                                                     max_model_len=longest + 16))
     engine = Engine(config)
     engine.start()
     ttft(engine, min(lengths), 1)  # warm-up: compiles the prefill kernels
-    rate = gemm_rate() if args.device != "cpu" else float("nan")
+    fp8 = args.quantization == "fp8"
+    rate = gemm_rate(fp8=fp8) if args.device != "cpu" else float("nan")
     rows = []
     for length in lengths:
         seconds = ttft(engine, length, args.repeats)
@@ -97,7 +112,7 @@ def main() -> None:
         rows.append({"length": length, "ttft_ms": 1e3 * seconds, "prefill_tok_s": length / seconds,
                      "floor_ms": 1e3 * floor, "ratio": seconds / floor})
     engine.shutdown()
-    print(f"model={args.model} fp16 GEMM rate {rate / 1e12:.0f} TFLOP/s (8192^3, same run)")
+    print(f"model={args.model} {'fp8' if fp8 else 'fp16'} GEMM rate {rate / 1e12:.0f} TFLOP/s (8192^3, same run)")
     print(f"{'length':>7} {'TTFT ms':>9} {'tok/s':>10} {'floor ms':>9} {'TTFT/floor':>11}")
     for r in rows:
         print(f"{r['length']:>7} {r['ttft_ms']:>9.2f} {r['prefill_tok_s']:>10.0f} {r['floor_ms']:>9.2f} "

@@ -161,6 +161,14 @@ class GenerationDefaults:
 
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # fp8 is e4m3, as in vLLM
+# weight quantization at load (vLLM's --quantization fp8): the four matrices of every layer
+# as e4m3 with a scale per output feature; activations quantized per token on the fly
+QUANTIZATIONS = ("fp8",)
+
+
+def check_quantization(value: str | None) -> None:
+    if value is not None and value not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} (or unset), got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -231,11 +239,13 @@ class EngineConfig:
     # CPU runner weights: "auto" = 16 bits when the C kernels compile (bfloat16 for bf16
     # checkpoints, else float16), "float32" = the exact reference
     cpu_weight_dtype: str = "auto"
+    quantization: str | None = None  # None (the checkpoint's 16-bit weights) or "fp8" (CUDA only)
     cache_dir: str = field(default_factory=lambda: str(_default_cache_dir()))  # downloads, compiled kernels
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be auto, cuda or cpu, got {self.device!r}")
+        check_quantization(self.quantization)
         if self.cpu_weight_dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"cpu_weight_dtype must be auto, float32, float16 or bfloat16, "
                              f"got {self.cpu_weight_dtype!r}")

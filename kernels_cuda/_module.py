@@ -87,6 +87,18 @@ def ptr_or_null(arr: cp.ndarray | None):
     return arr if arr is not None else np.uint64(0)
 
 
+def scale_args(scales: tuple[cp.ndarray, cp.ndarray] | None, rows: int, cols: int) -> tuple:
+    """(rs, cs) kernel arguments for the raw sums of a float8 product (gemm.gemm_fp8):
+    scales = (a scale per row (rows,), a scale per column (cols,)) float32, or None (two
+    nulls: nothing to scale)."""
+    if scales is None:
+        return np.uint64(0), np.uint64(0)
+    rs, cs = scales
+    check(rs, "row scales", np.float32, (rows,))
+    check(cs, "column scales", np.float32, (cols,))
+    return rs, cs
+
+
 # ---------------------------------------------------------------------------- launching
 # Kernels go through CuPy's launch, or, with pdl=True, through cuLaunchKernelEx with the
 # programmatic stream-serialization attribute (Hopper's programmatic dependent launch:

@@ -163,21 +163,20 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-// ------------------------------------------------------------------ the KV cache's element
-// -DKV_FP8=1: the cache holds float8 e4m3 (one byte, scale 1, saturating at +-448), else
-// the 16-bit type. Converted through PTX (sm_89+), so NVRTC needs no cuda_fp8.h.
-#ifndef KV_FP8
-#define KV_FP8 0
-#endif
-#if KV_FP8
-typedef unsigned char kv_t;
-__device__ __forceinline__ kv_t to_kv(float x) {
+// ------------------------------------------------------------------ float8 e4m3
+// One byte: 4 exponent bits, 3 mantissa bits, saturating at +-448 (the fp8 K/V cache and the
+// fp8 weights / activations of --quantization fp8). Converted through PTX (sm_89+), so NVRTC
+// needs no cuda_fp8.h; a module that never calls these builds for older GPUs too.
+#define FP8_MAX 448.0f
+// two values -> two e4m3 bytes, lo in the lower byte
+__device__ __forceinline__ unsigned short fp8x2_from_floats(float lo, float hi) {
     unsigned short r;  // cvt packs its first operand into the upper byte, the second into the lower
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.0f), "f"(x));
-    return (kv_t)(r & 0xff);
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    return r;
 }
+__device__ __forceinline__ unsigned char fp8_from_float(float x) { return (unsigned char)(fp8x2_from_floats(x, 0.0f) & 0xff); }
 // two e4m3 bytes (lower byte first) -> two 16-bit values in one word, exactly
-__device__ __forceinline__ unsigned kv2_to_scalar2(unsigned short v) {
+__device__ __forceinline__ unsigned fp8x2_to_scalar2(unsigned short v) {
     unsigned h;
     asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(v));
 #if USE_BF16
@@ -187,6 +186,21 @@ __device__ __forceinline__ unsigned kv2_to_scalar2(unsigned short v) {
     return h;
 #endif
 }
+
+// --quantization fp8: cuBLASLt's float8 product leaves the raw sums of the codes; whoever
+// reads them multiplies by the token's scale (rs, the row of x) and the feature's (cs, the
+// row of W). rs null: a 16-bit product, nothing to scale.
+__device__ __forceinline__ float dequant(float v, const float *rs, const float *cs, long long t, long long n) {
+    return rs != nullptr ? v * rs[t] * cs[n] : v;
+}
+
+// the KV cache's element. -DKV_FP8=1: float8 e4m3 (scale 1), else the 16-bit type.
+#ifndef KV_FP8
+#define KV_FP8 0
+#endif
+#if KV_FP8
+typedef unsigned char kv_t;
+__device__ __forceinline__ kv_t to_kv(float x) { return fp8_from_float(x); }
 #else
 typedef scalar_t kv_t;
 __device__ __forceinline__ kv_t to_kv(float x) { return from_float(x); }
@@ -230,8 +244,8 @@ __device__ __forceinline__ void kv_tile_to_scalar(const unsigned char *src, scal
         unsigned out[8];
 #pragma unroll
         for (int j = 0; j < 4; j++) {
-            out[2 * j] = kv2_to_scalar2((unsigned short)(w[j] & 0xffff));
-            out[2 * j + 1] = kv2_to_scalar2((unsigned short)(w[j] >> 16));
+            out[2 * j] = fp8x2_to_scalar2((unsigned short)(w[j] & 0xffff));
+            out[2 * j + 1] = fp8x2_to_scalar2((unsigned short)(w[j] >> 16));
         }
         uint4 *d = reinterpret_cast<uint4 *>(dst + r * lds + c);
         d[0] = make_uint4(out[0], out[1], out[2], out[3]);

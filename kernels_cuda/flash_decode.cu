@@ -157,8 +157,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_decode_chunk(
 #pragma unroll
                 for (int j = 0; j < 2; j++) {  // the key of column g of score tile j: see key_of
                     const unsigned w = *reinterpret_cast<const unsigned *>(cK + key_of(j, g) * SROW + kk * 16 + 4 * qd);
-                    mma_16816(sc[j], qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], kv2_to_scalar2(w & 0xffff),
-                              kv2_to_scalar2(w >> 16));
+                    mma_16816(sc[j], qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], fp8x2_to_scalar2(w & 0xffff),
+                              fp8x2_to_scalar2(w >> 16));
                 }
 #else
             const scalar_t *cK = sK + ((t & 1) * KEYS + warp * 16) * LDS;
@@ -222,7 +222,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_decode_chunk(
                 for (int e = 0; e < 4; e++) {
                     const unsigned sel = e | ((e + 4) << 4);  // byte e of the first word, then of the second
                     const unsigned k01 = __byte_perm(w[0], w[1], sel), k23 = __byte_perm(w[2], w[3], sel);
-                    mma_16816(o[4 * u + e], a0, a1, a2, a3, kv2_to_scalar2(k01 & 0xffff), kv2_to_scalar2(k23 & 0xffff));
+                    mma_16816(o[4 * u + e], a0, a1, a2, a3, fp8x2_to_scalar2(k01 & 0xffff), fp8x2_to_scalar2(k23 & 0xffff));
                 }
             }
 #else

@@ -1,4 +1,6 @@
-"""y = x @ W^T through cuBLAS (gemmEx: 16-bit operands, float32 output and accumulation).
+"""y = x @ W^T through cuBLAS (gemmEx: 16-bit operands, float32 output and accumulation),
+and its float8 form through cuBLASLt (--quantization fp8: e4m3 codes in, the float32 sums of
+their products out; the scales are applied by the kernel that reads them).
 
 cuBLAS is called through ctypes on the library CuPy loaded: CuPy's own wrappers refuse
 to run during stream capture, which the decode graphs need (cuBLAS itself supports it).
@@ -12,8 +14,9 @@ import cupy as cp
 import numpy as np
 
 from ._module import check, same_scalar
+from .quant import Fp8Matrix
 
-CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF = 0, 2, 14
+CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF, CUDA_R_8F_E4M3 = 0, 2, 14, 28
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 CUBLAS_COMPUTE_32F = 68
 CUBLAS_GEMM_DEFAULT = -1
@@ -22,24 +25,27 @@ _ZERO = ctypes.c_float(0.0)
 _lib: ctypes.CDLL | None = None
 
 
+def _load(name: str) -> ctypes.CDLL:
+    """libcublas / libcublasLt: the copy CuPy's packages bring, else by soname."""
+    from cupy.cuda import cublas as _  # noqa: F401 - makes CuPy load libcublas
+    path = None
+    try:
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+        path = load_nvidia_dynamic_lib(name).abs_path
+    except Exception:  # noqa: BLE001 - older CuPy: fall back to the sonames
+        pass
+    for soname in [p for p in (path, f"lib{name}.so.13", f"lib{name}.so.12", f"lib{name}.so") if p]:
+        try:
+            return ctypes.CDLL(soname)
+        except OSError:
+            continue
+    raise RuntimeError(f"cannot find lib{name}")
+
+
 def _cublas() -> ctypes.CDLL:
     global _lib
     if _lib is None:
-        from cupy.cuda import cublas as _  # noqa: F401 - makes CuPy load libcublas
-        path = None
-        try:
-            from cuda.pathfinder import load_nvidia_dynamic_lib
-            path = load_nvidia_dynamic_lib("cublas").abs_path
-        except Exception:  # noqa: BLE001 - older CuPy: fall back to the sonames
-            pass
-        for name in [p for p in (path, "libcublas.so.13", "libcublas.so.12", "libcublas.so") if p]:
-            try:
-                _lib = ctypes.CDLL(name)
-                break
-            except OSError:
-                continue
-        else:
-            raise RuntimeError("cannot find libcublas")
+        _lib = _load("cublas")
         v, i = ctypes.c_void_p, ctypes.c_int
         _lib.cublasSetStream_v2.argtypes = [v, v]
         _lib.cublasGemmEx.argtypes = [v, i, i, i, i, i, v, v, i, i, v, i, i, v, v, i, i, i, i]
@@ -72,4 +78,123 @@ def gemm(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray | None = None) -> cp.ndar
                               CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
     if status:
         raise RuntimeError(f"cublasGemmEx failed ({status}) for ({M}x{K}) @ ({N}x{K})^T")
+    return out
+
+
+# ---------------------------------------------------------------------------- float8 (cuBLASLt)
+# cublasLt.h constants. Scales a row / a column ("outer vector" scale modes) have no Hopper
+# algorithm in cuBLASLt 13.1 (H200: every output type, status 7), and one scale for a whole
+# activation would need its maximum before quantizing; so the product here is of the codes
+# alone, and the readers of its output (rope_kv_write, silu_mul, add_rms_norm) multiply by
+# the token's and the feature's scale (common.cuh's dequant).
+_LT_TRANSA, _LT_TRANSB, _LT_FAST_ACCUM = 3, 4, 25
+_LT_PREF_MAX_WORKSPACE_BYTES = 1
+LT_WORKSPACE_BYTES = 32 << 20
+# Hopper's fp8 MMAs add into a reduced-precision accumulator unless cuBLASLt promotes the
+# sums to float32 now and then; fast accumulation skips that. Off: the promoted sums are
+# what the tests compare against (see bench/kernels.py --fp8 for the cost).
+FAST_ACCUM = False
+
+
+class _HeuristicResult(ctypes.Structure):
+    _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspaceSize", ctypes.c_size_t), ("state", ctypes.c_int),
+                ("wavesCount", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
+
+
+class _Lt:
+    """One cuBLASLt handle, a workspace, and a plan (descriptors + algorithm) per shape."""
+
+    def __init__(self) -> None:
+        lib = _load("cublasLt")
+        v, i, u64, i64, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_int64, ctypes.c_size_t
+        lib.cublasLtCreate.argtypes = [ctypes.POINTER(v)]
+        lib.cublasLtMatmulDescCreate.argtypes = [ctypes.POINTER(v), i, i]
+        lib.cublasLtMatmulDescSetAttribute.argtypes = [v, i, v, sz]
+        lib.cublasLtMatrixLayoutCreate.argtypes = [ctypes.POINTER(v), i, u64, u64, i64]
+        lib.cublasLtMatmulPreferenceCreate.argtypes = [ctypes.POINTER(v)]
+        lib.cublasLtMatmulPreferenceSetAttribute.argtypes = [v, i, v, sz]
+        lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [v, v, v, v, v, v, v, i, ctypes.POINTER(_HeuristicResult),
+                                                       ctypes.POINTER(i)]
+        lib.cublasLtMatmul.argtypes = [v, v, v, v, v, v, v, v, v, v, v, v, v, v, sz, v]
+        self.lib = lib
+        self.handle = v()
+        self._ok(lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
+        self.workspace = cp.empty(LT_WORKSPACE_BYTES, np.uint8)
+        self.plans: dict[tuple[int, int, int, bool], tuple] = {}
+
+    @staticmethod
+    def _ok(status: int, what: str) -> None:
+        if status:
+            raise RuntimeError(f"{what} failed (cuBLAS status {status})")
+
+    def _set(self, desc, attr: int, value) -> None:
+        self._ok(self.lib.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(value), ctypes.sizeof(value)),
+                 f"cublasLtMatmulDescSetAttribute({attr})")
+
+    def plan(self, M: int, N: int, K: int) -> tuple:
+        key = (M, N, K, FAST_ACCUM)
+        plan = self.plans.get(key)
+        if plan is not None:
+            return plan
+        lib, v = self.lib, ctypes.c_void_p
+        desc = v()
+        self._ok(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), CUBLAS_COMPUTE_32F, CUDA_R_32F),
+                 "cublasLtMatmulDescCreate")
+        # column-major: out^T (N, M) = W (N x K, i.e. A = K x N transposed) times x^T (B = K x M)
+        self._set(desc, _LT_TRANSA, ctypes.c_int(CUBLAS_OP_T))
+        self._set(desc, _LT_TRANSB, ctypes.c_int(CUBLAS_OP_N))
+        self._set(desc, _LT_FAST_ACCUM, ctypes.c_int8(int(FAST_ACCUM)))
+        layouts = []
+        for dtype, rows, cols in ((CUDA_R_8F_E4M3, K, N), (CUDA_R_8F_E4M3, K, M), (CUDA_R_32F, N, M)):
+            layout = v()
+            self._ok(lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), dtype, rows, cols, rows),
+                     "cublasLtMatrixLayoutCreate")
+            layouts.append(layout)
+        a, b, c = layouts
+        pref = v()
+        self._ok(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
+        ws = ctypes.c_uint64(LT_WORKSPACE_BYTES)
+        self._ok(lib.cublasLtMatmulPreferenceSetAttribute(pref, _LT_PREF_MAX_WORKSPACE_BYTES, ctypes.byref(ws),
+                                                          ctypes.sizeof(ws)), "cublasLtMatmulPreferenceSetAttribute")
+        result, found = _HeuristicResult(), ctypes.c_int(0)
+        status = lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, a, b, c, c, pref, 1, ctypes.byref(result),
+                                                    ctypes.byref(found))
+        if status or found.value < 1:
+            raise RuntimeError(f"cuBLASLt has no float8 algorithm for ({M}x{K}) @ ({N}x{K})^T (status {status}); "
+                               "--quantization fp8 needs compute capability 8.9+")
+        plan = (desc, a, b, c, result)
+        self.plans[key] = plan
+        return plan
+
+
+_lt: _Lt | None = None
+_ONE_LT, _ZERO_LT = ctypes.c_float(1.0), ctypes.c_float(0.0)
+
+
+def gemm_fp8(xq: cp.ndarray, w: Fp8Matrix, out: cp.ndarray) -> cp.ndarray:
+    """out (M, N) float32 = xq @ w.data^T over the values of the e4m3 codes (xq (M, K), e.g.
+    from quant.quantize_rows), on the current stream; K and N multiples of 16. The product
+    of the scaled matrices is out * x_scale[:, None] * w.scale[None, :]: the caller hands
+    (x_scale, w.scale) to whichever kernel reads out (their `scales` argument)."""
+    global _lt
+    if xq.ndim != 2 or xq.shape[1] != w.shape[1]:
+        raise ValueError(f"gemm_fp8: x {xq.shape} and w {w.shape} do not chain")
+    M, K = xq.shape
+    N = w.shape[0]
+    if K % 16 or N % 16:
+        raise ValueError(f"gemm_fp8: K={K} and N={N} must be multiples of 16")
+    check(xq, "xq", np.uint8)
+    check(w.data, "w.data", np.uint8)
+    check(w.scale, "w.scale", np.float32, (N,))
+    check(out, "out", np.float32, (M, N))
+    if M == 0:
+        return out
+    if _lt is None:
+        _lt = _Lt()
+    desc, a, b, c, result = _lt.plan(M, N, K)
+    status = _lt.lib.cublasLtMatmul(_lt.handle, desc, ctypes.byref(_ONE_LT), w.data.data.ptr, a, xq.data.ptr, b,
+                                    ctypes.byref(_ZERO_LT), out.data.ptr, c, out.data.ptr, c,
+                                    ctypes.byref(result.algo), _lt.workspace.data.ptr, LT_WORKSPACE_BYTES,
+                                    cp.cuda.get_current_stream().ptr)
+    _lt._ok(status, f"cublasLtMatmul ({M}x{K}) @ ({N}x{K})^T")
     return out

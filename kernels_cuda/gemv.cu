@@ -32,34 +32,76 @@
 #define DEPTH 8  // chunks a warp loads per pass
 #endif
 
+// -DW_FP8=1 (--quantization fp8): W holds e4m3 codes and a float32 scale per row (wscale);
+// a lane's 16-byte load then brings 16 k-values, widened exactly to the 16-bit type for the
+// same MMAs (x stays 16-bit), and the sums are scaled per feature before the epilogue.
+#ifndef W_FP8
+#define W_FP8 0
+#endif
+#if W_FP8
+typedef unsigned char w_t;
+#define W_WORDS 8  // 16-bit pairs of k a 16-byte weight load holds
+#else
+typedef scalar_t w_t;
+#define W_WORDS 4
+#endif
+
 // TILES: 8-feature tiles a block computes. gemv_8 (B <= 8) takes one; gemv_16 (B > 8)
 // takes two, so that each x row it reads from the L2 serves 16 features: at 9-16 rows the
 // x reads would otherwise cost as much as the weights. A lane's sum over k runs through
 // the same chunks in the same order either way (batch invariance holds across the two).
 
+// A lane's 16-byte weight load as W_WORDS words of two 16-bit k-values (lower k first)
+__device__ __forceinline__ void weight_words(const uint4 &v, unsigned out[W_WORDS]) {
+    const unsigned in[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+#if W_FP8
+        out[2 * i] = fp8x2_to_scalar2((unsigned short)(in[i] & 0xffff));
+        out[2 * i + 1] = fp8x2_to_scalar2((unsigned short)(in[i] >> 16));
+#else
+        out[i] = in[i];
+#endif
+    }
+}
+
 // One pass of a warp over DEPTH / TILES chunks starting at chunk c0: loads first, then MMAs.
-// CHECKED: some chunk may reach past K (those loads are skipped and read as zero).
+// A chunk is 4 lanes' 16-byte weight groups; x brings the matching W_WORDS words (one or
+// two 16-byte loads). CHECKED: some chunk may reach past K (those loads are skipped and
+// read as zero).
 template <bool WIDE, int TILES, bool CHECKED>
 __device__ __forceinline__ void skinny_pass(const uint4 *const wrow[TILES], const uint4 *xrow, const uint4 *xrow2,
                                             float c[TILES][4], int c0, int q, int groups) {
-    constexpr int D = DEPTH / TILES;
+    constexpr int D = DEPTH / TILES, XV = W_WORDS / 4;  // x loads per weight load
     const uint4 zero = make_uint4(0, 0, 0, 0);
-    uint4 wv[TILES][D], xv[D], yv[D];
+    uint4 wv[TILES][D], xv[D][XV], yv[D][XV];
 #pragma unroll
     for (int u = 0; u < D; u++) {
-        const int k8 = (c0 + u * WARPS) * 4 + q;  // this lane's 16-byte group of k
+        const int k8 = (c0 + u * WARPS) * 4 + q;  // this lane's 16-byte group of weights
         const bool ok = !CHECKED || k8 < groups;
 #pragma unroll
         for (int t = 0; t < TILES; t++) wv[t][u] = ok ? __ldcs(wrow[t] + k8) : zero;
-        xv[u] = ok ? __ldg(xrow + k8) : zero;
-        yv[u] = WIDE && ok ? __ldg(xrow2 + k8) : zero;
+#pragma unroll
+        for (int h = 0; h < XV; h++) {
+            xv[u][h] = ok ? __ldg(xrow + XV * k8 + h) : zero;
+            yv[u][h] = WIDE && ok ? __ldg(xrow2 + XV * k8 + h) : zero;
+        }
     }
 #pragma unroll
     for (int u = 0; u < D; u++) {
+        unsigned xw[W_WORDS], yw[W_WORDS];
+#pragma unroll
+        for (int h = 0; h < XV; h++) {
+            xw[4 * h] = xv[u][h].x, xw[4 * h + 1] = xv[u][h].y, xw[4 * h + 2] = xv[u][h].z, xw[4 * h + 3] = xv[u][h].w;
+            yw[4 * h] = yv[u][h].x, yw[4 * h + 1] = yv[u][h].y, yw[4 * h + 2] = yv[u][h].z, yw[4 * h + 3] = yv[u][h].w;
+        }
 #pragma unroll
         for (int t = 0; t < TILES; t++) {
-            mma_16816(c[t], xv[u].x, yv[u].x, xv[u].y, yv[u].y, wv[t][u].x, wv[t][u].y);
-            mma_16816(c[t], xv[u].z, yv[u].z, xv[u].w, yv[u].w, wv[t][u].z, wv[t][u].w);
+            unsigned ww[W_WORDS];
+            weight_words(wv[t][u], ww);
+#pragma unroll
+            for (int j = 0; j < W_WORDS / 2; j++)
+                mma_16816(c[t], xw[2 * j], yw[2 * j], xw[2 * j + 1], yw[2 * j + 1], ww[2 * j], ww[2 * j + 1]);
         }
     }
 }
@@ -189,8 +231,8 @@ struct RopeKV {  // weight rows [q (H heads) | k (KVH) | v (KVH)] of HEAD_DIM; H
 };
 
 template <bool WIDE, int TILES, class Epilogue>  // WIDE: rows 8..15 of x exist (B > 8)
-__device__ __forceinline__ void skinny(const scalar_t *__restrict__ x, const scalar_t *__restrict__ w, int B, int N,
-                                       int K, int prefetch, const Epilogue &epi) {
+__device__ __forceinline__ void skinny(const scalar_t *__restrict__ x, const w_t *__restrict__ w, int B, int N,
+                                       int K, int prefetch, const float *__restrict__ wscale, const Epilogue &epi) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, q = lane & 3;  // mma group (row of x / slot of W) and lane in group
     // Rows past N or B read row 0 instead: an MMA output row depends only on its own
@@ -209,7 +251,7 @@ __device__ __forceinline__ void skinny(const scalar_t *__restrict__ x, const sca
     }
 #endif
     PDL_ENTER();
-    const int groups = K >> 3;  // 16-byte groups of k in a row
+    const int groups = K / (2 * W_WORDS);  // 16-byte groups of weights in a row
     const int chunks = (groups + 3) >> 2, whole = groups >> 2;
     const uint4 *xrow = reinterpret_cast<const uint4 *>(x + (long long)(g < B ? g : 0) * K);
     const uint4 *xrow2 = reinterpret_cast<const uint4 *>(x + (long long)(g + 8 < B ? g + 8 : 0) * K);
@@ -236,23 +278,31 @@ __device__ __forceinline__ void skinny(const scalar_t *__restrict__ x, const sca
 #pragma unroll
             for (int v = 1; v < WARPS; v++) s[i] += part[v][i][lane];
         }
+#if W_FP8
+#pragma unroll
+        for (int i = 0; i < 4 * TILES; i++) {  // s[4 t + i] is slot 8 t + 2 q + (i & 1)
+            const long long n = epi.row(blockIdx.x, 8 * (i / 4) + 2 * q + (i & 1));
+            s[i] *= wscale[n < N ? n : 0];
+        }
+#endif
         epi.template store<WIDE>(blockIdx.x, g, q, s, B);
     }
 }
 
 // Kernels: grid (blocks the epilogue asks for), block (32 WARPS); prefetch: bytes of each
-// weight row to bring into the L2 up front (a multiple of 16, at most 2 K). EPI: the
+// weight row to bring into the L2 up front (a multiple of 16, at most a row); wscale: the
+// rows' scales with W_FP8 (else unused, may be null). EPI: the
 // epilogue template, built from the kernel's own parameters (the ones after `prefetch`).
 #define SKINNY_KERNELS(NAME, EPI, INIT, ...)                                                                     \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                     \
-        NAME##_8(const scalar_t *__restrict__ x, const scalar_t *__restrict__ w, int B, int N, int K, int prefetch, \
-                 __VA_ARGS__) {                                                                                  \
-        skinny<false, 1>(x, w, B, N, K, prefetch, EPI<1> INIT);                                                  \
+        NAME##_8(const scalar_t *__restrict__ x, const w_t *__restrict__ w, int B, int N, int K, int prefetch,      \
+                 const float *__restrict__ wscale, __VA_ARGS__) {                                                \
+        skinny<false, 1>(x, w, B, N, K, prefetch, wscale, EPI<1> INIT);                                          \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                     \
-        NAME##_16(const scalar_t *__restrict__ x, const scalar_t *__restrict__ w, int B, int N, int K,            \
-                  int prefetch, __VA_ARGS__) {                                                                   \
-        skinny<true, 2>(x, w, B, N, K, prefetch, EPI<2> INIT);                                                   \
+        NAME##_16(const scalar_t *__restrict__ x, const w_t *__restrict__ w, int B, int N, int K,                \
+                  int prefetch, const float *__restrict__ wscale, __VA_ARGS__) {                                 \
+        skinny<true, 2>(x, w, B, N, K, prefetch, wscale, EPI<2> INIT);                                           \
     }
 
 // y (B, N) float32

@@ -6,6 +6,7 @@ import cupy as cp
 import numpy as np
 
 from ._module import check, check_scalar, i32, i64, launch, module, ptr_or_null, same_scalar, use_bf16
+from .quant import Fp8Matrix
 from .rope import check_rope_args
 
 # The runner uses this kernel for every step of up to MAX_ROWS rows, so a sequence's logits
@@ -28,32 +29,46 @@ def tiles(rows: int) -> int:
     return 1 if rows <= 8 else 2
 
 
-def _launch(name: str, x: cp.ndarray, w: cp.ndarray, extra: tuple, pdl: bool, config: dict | None,
-            **defines: int) -> None:
-    """Checks shared by the skinny kernels, then the launch (x, w, B, N, K, prefetch, *extra):
-    a block per 8 weight rows (16 from 9 rows on, see tiles), whatever the epilogue makes of
-    them (SiLU pairs, RoPE pairs: N / 8 or N / 16 blocks all the same)."""
+def _weights(x: cp.ndarray, w) -> tuple[cp.ndarray, cp.ndarray | None]:
+    """(codes or 16-bit matrix, scales or None) of a weight argument: a 16-bit array of x's
+    type, or an Fp8Matrix (--quantization fp8)."""
+    if isinstance(w, Fp8Matrix):
+        check(w.data, "w.data", np.uint8)
+        check(w.scale, "w.scale", np.float32, (w.data.shape[0],))
+        return w.data, w.scale
+    same_scalar(x, w, "x, w")
+    check(w, "w", w.dtype)
+    return w, None
+
+
+def _launch(name: str, x: cp.ndarray, w, extra: tuple, pdl: bool, config: dict | None, **defines: int) -> None:
+    """Checks shared by the skinny kernels, then the launch (x, w, B, N, K, prefetch, wscale,
+    *extra): a block per 8 weight rows (16 from 9 rows on, see tiles), whatever the epilogue
+    makes of them (SiLU pairs, RoPE pairs: N / 8 or N / 16 blocks all the same)."""
+    w, scale = _weights(x, w)
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"gemv: x {x.shape} and w {w.shape} do not chain")
     B, K = x.shape
     N = w.shape[0]
     if not 1 <= B <= MAX_ROWS:
         raise ValueError(f"gemv: {B} rows (1..{MAX_ROWS}); use gemm for more")
-    if K % 8:
-        raise ValueError(f"gemv: K={K} must be a multiple of 8")
-    same_scalar(x, w, "x, w")
+    group = 16 // w.itemsize  # k-values in a lane's 16-byte weight load
+    if K % group:
+        raise ValueError(f"gemv: K={K} must be a multiple of {group}")
     check(x, "x", x.dtype)
-    check(w, "w", w.dtype)
     cfg = config or (CONFIG if B <= 4 else CONFIG_WIDE)
-    prefetch = min(2 * K, PREFETCH_BUDGET // N) // 16 * 16  # the first bytes of every row
-    kernel = module("gemv", USE_BF16=use_bf16(w), **cfg, **defines).get_function(f"{name}_{8 if B <= 8 else 16}")
+    prefetch = min(K * w.itemsize, PREFETCH_BUDGET // N) // 16 * 16  # the first bytes of every row
+    kernel = module("gemv", USE_BF16=use_bf16(x), W_FP8=int(scale is not None), **cfg,
+                    **defines).get_function(f"{name}_{8 if B <= 8 else 16}")
     grid = -(-N // (8 * tiles(B)))
-    launch(kernel, (grid,), (32 * cfg["WARPS"],), (x, w, i32(B), i32(N), i32(K), i32(prefetch), *extra), pdl=pdl)
+    launch(kernel, (grid,), (32 * cfg["WARPS"],), (x, w, i32(B), i32(N), i32(K), i32(prefetch), ptr_or_null(scale),
+                                                   *extra), pdl=pdl)
 
 
-def gemv(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray | None = None, pdl: bool = False,
+def gemv(x: cp.ndarray, w, out: cp.ndarray | None = None, pdl: bool = False,
          config: dict | None = None) -> cp.ndarray:
-    """out (B, N) float32 = x (B, K) @ w (N, K)^T; B <= 16, K a multiple of 8, 16-bit operands.
+    """out (B, N) float32 = x (B, K) @ w (N, K)^T; B <= 16, K a multiple of 8, 16-bit operands
+    (or w an Fp8Matrix, K a multiple of 16).
 
     Each output element is computed the same way whatever B is (batch invariance).
     """
@@ -64,7 +79,7 @@ def gemv(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray | None = None, pdl: bool 
     return out
 
 
-def gemv_silu(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray, pdl: bool = False) -> cp.ndarray:
+def gemv_silu(x: cp.ndarray, w, out: cp.ndarray, pdl: bool = False) -> cp.ndarray:
     """out (B, inter) 16-bit = SiLU(x @ gate^T) * (x @ up^T), w = [gate; up] (2 inter, K).
 
     The same bits as gemv followed by activation.silu_mul; inter must be a multiple of 8.
@@ -73,12 +88,12 @@ def gemv_silu(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray, pdl: bool = False) 
     if w.shape[0] % 16:
         raise ValueError(f"gemv_silu: 2 * intermediate = {w.shape[0]} must be a multiple of 16")
     check_scalar(out, "out")
-    check(out, "out", w.dtype, (x.shape[0], inter))
+    check(out, "out", x.dtype, (x.shape[0], inter))
     _launch("gemv_silu", x, w, (out,), pdl, None)
     return out
 
 
-def gemv_rope(x: cp.ndarray, w: cp.ndarray, positions: cp.ndarray, cos: cp.ndarray, sin: cp.ndarray,
+def gemv_rope(x: cp.ndarray, w, positions: cp.ndarray, cos: cp.ndarray, sin: cp.ndarray,
               k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, layer_offset: int, num_heads: int, num_kv_heads: int,
               q_out: cp.ndarray, bias: cp.ndarray | None = None, pdl: bool = False,
               kv_fp8: bool = False) -> cp.ndarray:
@@ -91,7 +106,7 @@ def gemv_rope(x: cp.ndarray, w: cp.ndarray, positions: cp.ndarray, cos: cp.ndarr
         raise ValueError(f"gemv_rope: w has {w.shape[0]} rows, expected {width}; head_dim {head_dim} "
                          "must be a multiple of 16")
     check_rope_args(B, width, positions, cos, sin, k_ptrs, v_ptrs, q_out, num_heads, head_dim, bias)
-    check(q_out, "q_out", w.dtype)
+    check(q_out, "q_out", x.dtype)
     _launch("gemv_rope", x, w, (ptr_or_null(bias), positions, cos, sin, q_out, k_ptrs, v_ptrs, i64(layer_offset),
                                 i32(num_heads), i32(num_kv_heads)), pdl, None, HEAD_DIM=head_dim, KV_FP8=int(kv_fp8))
     return q_out

@@ -10,10 +10,13 @@
 
 #define NORM_VEC 4
 
-// residual += delta (+ bias) when delta is not null; out = rms_norm(residual) * w.
+// residual += delta (+ bias) when delta is not null; out = rms_norm(residual) * w. A delta
+// from a float8 product is scaled first: by rsv (the token's scale) and cs (per feature), when
+// cs is not null.
 __device__ __forceinline__ void norm_row(float *__restrict__ r, const float *__restrict__ d,
                                          const float *__restrict__ bias, const float *__restrict__ w,
-                                         scalar_t *__restrict__ out, int hidden, float eps) {
+                                         scalar_t *__restrict__ out, int hidden, float eps, float rsv = 1.0f,
+                                         const float *__restrict__ cs = nullptr) {
     __shared__ float scratch[32];
     const int n4 = hidden % 4 == 0 ? min(hidden / 4, NORM_VEC * (int)blockDim.x) : 0;
     float4 v[NORM_VEC];
@@ -24,7 +27,11 @@ __device__ __forceinline__ void norm_row(float *__restrict__ r, const float *__r
         if (i >= n4) break;
         v[u] = reinterpret_cast<const float4 *>(r)[i];
         if (d != nullptr) {
-            const float4 e = reinterpret_cast<const float4 *>(d)[i];
+            float4 e = reinterpret_cast<const float4 *>(d)[i];
+            if (cs != nullptr) {
+                const float4 f = reinterpret_cast<const float4 *>(cs)[i];
+                e = make_float4(e.x * rsv * f.x, e.y * rsv * f.y, e.z * rsv * f.z, e.w * rsv * f.w);
+            }
             const float4 b = bias != nullptr ? reinterpret_cast<const float4 *>(bias)[i] : make_float4(0, 0, 0, 0);
             v[u] = make_float4(v[u].x + e.x + b.x, v[u].y + e.y + b.y, v[u].z + e.z + b.z, v[u].w + e.w + b.w);
             reinterpret_cast<float4 *>(r)[i] = v[u];
@@ -34,7 +41,7 @@ __device__ __forceinline__ void norm_row(float *__restrict__ r, const float *__r
     for (int i = 4 * n4 + threadIdx.x; i < hidden; i += blockDim.x) {
         float x = r[i];
         if (d != nullptr) {
-            x += d[i] + (bias != nullptr ? bias[i] : 0.0f);
+            x += (cs != nullptr ? d[i] * rsv * cs[i] : d[i]) + (bias != nullptr ? bias[i] : 0.0f);
             r[i] = x;
         }
         ss += x * x;
@@ -60,11 +67,14 @@ extern "C" __global__ void rms_norm(const float *__restrict__ x, const float *__
     norm_row(const_cast<float *>(x) + row * hidden, nullptr, nullptr, w, out + row * hidden, hidden, eps);
 }
 
-// residual += delta (+ bias); out = rms_norm(residual) * w.  bias may be null.
+// residual += delta (+ bias); out = rms_norm(residual) * w.  bias may be null; rs, cs: the
+// scales of a float8 product's delta (common.cuh's dequant), or null.
 extern "C" __global__ void add_rms_norm(float *__restrict__ residual, const float *__restrict__ delta,
                                         const float *__restrict__ bias, const float *__restrict__ w,
-                                        scalar_t *__restrict__ out, int hidden, float eps) {
+                                        scalar_t *__restrict__ out, int hidden, float eps,
+                                        const float *__restrict__ rs, const float *__restrict__ cs) {
     PDL_ENTER();
     const long long row = blockIdx.x;
-    norm_row(residual + row * hidden, delta + row * hidden, bias, w, out + row * hidden, hidden, eps);
+    norm_row(residual + row * hidden, delta + row * hidden, bias, w, out + row * hidden, hidden, eps,
+             rs != nullptr ? rs[row] : 1.0f, rs != nullptr ? cs : nullptr);
 }

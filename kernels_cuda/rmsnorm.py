@@ -5,7 +5,7 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
-from ._module import check, check_scalar, f32, i32, launch, module, ptr_or_null, use_bf16
+from ._module import check, check_scalar, f32, i32, launch, module, ptr_or_null, scale_args, use_bf16
 
 THREADS = 512
 
@@ -35,8 +35,9 @@ def rms_norm(x: cp.ndarray, weight: cp.ndarray, eps: float, out: cp.ndarray | No
 
 def add_rms_norm(residual: cp.ndarray, delta: cp.ndarray, weight: cp.ndarray, eps: float,
                  out: cp.ndarray | None = None, bias: cp.ndarray | None = None,
-                 out_dtype=np.float16, pdl: bool = False) -> cp.ndarray:
-    """residual += delta (+ bias), in place; out = rms_norm(residual) * weight."""
+                 out_dtype=np.float16, pdl: bool = False, scales: tuple | None = None) -> cp.ndarray:
+    """residual += delta (+ bias), in place; out = rms_norm(residual) * weight. scales: delta
+    is a float8 product's raw sums; (per token, per feature) scales (_module.scale_args)."""
     if residual.ndim != 2:
         raise ValueError(f"residual: expected (rows, hidden), got {residual.shape}")
     rows, hidden = residual.shape
@@ -48,6 +49,6 @@ def add_rms_norm(residual: cp.ndarray, delta: cp.ndarray, weight: cp.ndarray, ep
     out = _out(out, rows, hidden, out_dtype)
     if rows:
         launch(module("rmsnorm", USE_BF16=use_bf16(out)).get_function("add_rms_norm"),
-               (rows,), (THREADS,), (residual, delta, ptr_or_null(bias), weight, out, i32(hidden), f32(eps)),
-               pdl=pdl)
+               (rows,), (THREADS,), (residual, delta, ptr_or_null(bias), weight, out, i32(hidden), f32(eps),
+                                     *scale_args(scales, rows, hidden)), pdl=pdl)
     return out

@@ -1,7 +1,8 @@
 // RoPE (HF's rotate-half layout; llama3 / linear scaling are in the cos/sin table)
 // fused with the KV-cache write. Reads the float32 QKV product of one layer, adds the
 // q/k/v bias if the model has one, rotates q and k, writes q (16-bit) for attention
-// and k, v into each token's KV slot.
+// and k, v into each token's KV slot. After a float8 product (--quantization fp8) the
+// sums are scaled first (rs, cs: common.cuh's dequant).
 //
 // -DHEAD_DIM (even), -DKV_FP8 (the cache's element, common.cuh). KV pool layout: (layers, slots, kv_heads, HEAD_DIM); a token's
 // K row is at k_ptrs[t] + layer_offset + position * kv_heads * HEAD_DIM (elements).
@@ -21,7 +22,8 @@ extern "C" __global__ void rope_kv_write(
     scalar_t *__restrict__ q_out,          // (T, H, HEAD_DIM)
     const long long *__restrict__ k_ptrs,  // (T) element addresses of each token's K region (layer 0)
     const long long *__restrict__ v_ptrs,
-    long long layer_offset, int num_heads, int num_kv_heads) {
+    long long layer_offset, int num_heads, int num_kv_heads,
+    const float *__restrict__ rs, const float *__restrict__ cs) {  // float8 product's scales, or null
     PDL_ENTER();
     const long long t = blockIdx.x;
     const int width = (num_heads + 2 * num_kv_heads) * HEAD_DIM;
@@ -35,7 +37,8 @@ extern "C" __global__ void rope_kv_write(
     for (int i = threadIdx.x; i < rot_pairs; i += blockDim.x) {
         const int head = i / HALF, j = i % HALF;
         const int base = head * HEAD_DIM;
-        float x1 = row[base + j], x2 = row[base + j + HALF];
+        float x1 = dequant(row[base + j], rs, cs, t, base + j);
+        float x2 = dequant(row[base + j + HALF], rs, cs, t, base + j + HALF);
         if (bias != nullptr) {
             x1 += bias[base + j];
             x2 += bias[base + j + HALF];
@@ -53,5 +56,5 @@ extern "C" __global__ void rope_kv_write(
     }
     const int v_off = (num_heads + num_kv_heads) * HEAD_DIM;
     for (int i = threadIdx.x; i < num_kv_heads * HEAD_DIM; i += blockDim.x)
-        v_dst[i] = to_kv(row[v_off + i] + (bias != nullptr ? bias[v_off + i] : 0.0f));
+        v_dst[i] = to_kv(dequant(row[v_off + i], rs, cs, t, v_off + i) + (bias != nullptr ? bias[v_off + i] : 0.0f));
 }

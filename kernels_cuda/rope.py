@@ -5,7 +5,7 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
-from ._module import check, check_scalar, i32, i64, launch, module, ptr_or_null, use_bf16
+from ._module import check, check_scalar, i32, i64, launch, module, ptr_or_null, scale_args, use_bf16
 
 
 def check_rope_args(T: int, width: int, positions: cp.ndarray, cos: cp.ndarray, sin: cp.ndarray,
@@ -28,12 +28,13 @@ def check_rope_args(T: int, width: int, positions: cp.ndarray, cos: cp.ndarray, 
 def rope_kv_write(qkv: cp.ndarray, positions: cp.ndarray, cos: cp.ndarray, sin: cp.ndarray,
                   k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, layer_offset: int, num_heads: int, num_kv_heads: int,
                   head_dim: int, q_out: cp.ndarray, bias: cp.ndarray | None = None, pdl: bool = False,
-                  kv_fp8: bool = False) -> cp.ndarray:
+                  kv_fp8: bool = False, scales: tuple | None = None) -> cp.ndarray:
     """Rotate q, k of a layer's QKV product; write q to q_out (T, H, D) and k, v into the cache.
 
     k_ptrs / v_ptrs (T,) int64: element addresses of each token's K / V region (layer 0);
     the token at position p of layer l lands at ptr + layer_offset + p * kv_heads * head_dim.
     kv_fp8: the cache holds float8 e4m3 (rounded to nearest, saturating) instead of q_out's type.
+    scales: qkv is a float8 product's raw sums; (per token, per feature) scales (_module.scale_args).
     """
     if qkv.ndim != 2:
         raise ValueError(f"qkv: expected (T, width), got {qkv.shape}")
@@ -45,5 +46,5 @@ def rope_kv_write(qkv: cp.ndarray, positions: cp.ndarray, cos: cp.ndarray, sin: 
         launch(module("rope", USE_BF16=use_bf16(q_out), HEAD_DIM=head_dim, KV_FP8=int(kv_fp8)).get_function(
                    "rope_kv_write"),
                (T,), (256,), (qkv, ptr_or_null(bias), positions, cos, sin, q_out, k_ptrs, v_ptrs, i64(layer_offset),
-                              i32(num_heads), i32(num_kv_heads)), pdl=pdl)
+                              i32(num_heads), i32(num_kv_heads), *scale_args(scales, T, width)), pdl=pdl)
     return q_out

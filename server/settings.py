@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from engine.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig, SchedulerConfig, check_quantization
 from engine.env import cache_dir as default_cache_dir
 from engine.env import prefixed
 from engine.loader import DEFAULT_MODEL
@@ -43,6 +43,9 @@ class ServeSettings:
                                     "gpu_memory_utilization; CPU: cpu_kv_cache_gib)")
     kv_cache_dtype: str = _s("auto", "str", "KV cache element: auto (the model's 16-bit type) or fp8 (e4m3, "
                              "half the memory a token; CUDA only)", KV_CACHE_DTYPES)
+    quantization: str | None = _s(None, "str", "fp8: the layers' weights as float8 e4m3 with a scale per output "
+                                  "feature, activations quantized per token (half the weight memory and reads; "
+                                  "CUDA, compute capability 8.9+)")
     gpu_memory_utilization: float = _s(0.9, "float", "fraction of GPU memory for weights + buffers + KV cache")
     cpu_kv_cache_gib: float = _s(1.0, "float", "KV cache size in GiB on the CPU")
     cpu_weight_dtype: str = _s("auto", "str", "CPU weights: auto (16-bit with the C kernels), float32, float16, "
@@ -63,6 +66,7 @@ class ServeSettings:
             value = getattr(self, f.name)
             if choices and value not in choices:
                 raise ValueError(f"{f.name} must be one of {', '.join(choices)}, got {value!r}")
+        check_quantization(self.quantization)
         for name in ("port", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "max_request_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -76,6 +80,7 @@ class ServeSettings:
         return EngineConfig(
             model=self.model, device=self.device, seed=self.seed, enforce_eager=self.enforce_eager,
             served_model_name=self.model_name, cpu_weight_dtype=self.cpu_weight_dtype,
+            quantization=self.quantization,
             cache_dir=self.cache_dir or str(default_cache_dir()),
             cache=CacheConfig(kv_cache_bytes=int(self.kv_cache_gib * gib) if self.kv_cache_gib else None,
                               gpu_memory_utilization=self.gpu_memory_utilization,

@@ -1,4 +1,4 @@
-"""Every .cu family compiles with nvcc for sm_80 and sm_90 (the fp8 K/V variants for sm_90),
+"""Every .cu family compiles with nvcc for sm_80 and sm_90 (the float8 variants for sm_90),
 in fp16 and bf16 (no GPU needed).
 
 CI machines have nvcc but no GPU: this catches a kernel that does not build before a
@@ -23,7 +23,8 @@ VARIANTS = {"flash_decode": [{"HEAD_DIM": 64, "GROUP": 3}, {"HEAD_DIM": 128, "GR
                              {"HEAD_DIM": 128, "GROUP": 4, "KV_FP8": 1}],
             "flash_prefill": [{"HEAD_DIM": 64}, {"HEAD_DIM": 128}, {"HEAD_DIM": 128, "KV_FP8": 1}],
             "rope": [{"HEAD_DIM": 64}, {"HEAD_DIM": 128}, {"HEAD_DIM": 64, "KV_FP8": 1}],
-            "gemv": [{}, {"HEAD_DIM": 64, "KV_FP8": 1}, {"DEPTH": 4}]}
+            "gemv": [{}, {"HEAD_DIM": 64, "KV_FP8": 1}, {"DEPTH": 4}, {"W_FP8": 1}, {"W_FP8": 1, "DEPTH": 4}]}
+FP8_ONLY = {"quant"}  # families that are all e4m3
 
 
 def jobs():
@@ -39,7 +40,8 @@ def test_every_kernel_family_compiles(tmp_path):
         cu, defines = job
         flags = [f"-D{k}={v}" for k, v in defines.items()]
         out = tmp_path / f"{cu.stem}-{'-'.join(map(str, defines.values()))}.o"
-        archs = FP8_ARCHS if defines.get("KV_FP8") else ARCHS
+        fp8 = defines.get("KV_FP8") or defines.get("W_FP8") or cu.stem in FP8_ONLY
+        archs = FP8_ARCHS if fp8 else ARCHS
         result = subprocess.run([NVCC, "-std=c++17", f"-I{KERNELS}", *flags, *archs, "-c", str(cu), "-o", str(out)],
                                 capture_output=True, text=True)
         return cu.name, defines, result.returncode, result.stderr[-2000:]

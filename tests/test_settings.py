@@ -71,6 +71,23 @@ def test_kv_cache_dtype_setting(tmp_path):
         make_runner(EngineConfig(model="tiny", device="cpu", cache=CacheConfig(kv_cache_dtype="fp8")), model)
 
 
+def test_quantization_setting(tmp_path, monkeypatch):
+    assert ServeSettings(quantization="fp8").engine_config().quantization == "fp8"
+    assert ServeSettings().engine_config().quantization is None
+    monkeypatch.setenv("CUSERVE_QUANTIZATION", "fp8")
+    assert resolve_settings(parse()).quantization == "fp8"
+    assert resolve_settings(parse("--quantization", "fp8")).quantization == "fp8"
+    with pytest.raises(ValueError, match="quantization must be one of fp8"):
+        ServeSettings(quantization="int4")
+    from engine.config import EngineConfig
+    from engine.loader import load_model
+    from engine.runner import make_runner
+    from tests.tiny_models import build_tiny_model
+    model = load_model(str(build_tiny_model(tmp_path, "llama", seed=1)), with_tokenizer=False)
+    with pytest.raises(ValueError, match="--quantization fp8 needs the CUDA runner"):
+        make_runner(EngineConfig(model="tiny", device="cpu", quantization="fp8"), model)
+
+
 def test_config_yaml_and_readme_table_are_current():
     result = subprocess.run([sys.executable, "tools/gen_docs.py", "--check"], cwd=ROOT, capture_output=True,
                             text=True)

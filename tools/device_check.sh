@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU checks on a lent device machine (the device tool runs this in the repo root).
 #   stage 1: install the carried wheels (.whl/), keep part 1 of SmolLM2 (.devpart/) in /tmp/cuserve_store,
-#            kernel tests and the tiny-model runner tests; GRAPHS=1: decode graph timings; SWEEP=1: those,
+#            kernel tests (KTESTS: a -k filter) and the tiny-model runner tests (RTESTS: their -k filter);
+#            FP8=1: the fp8 matrix products and decode graphs; GRAPHS=1: decode graph timings; SWEEP=1: those,
 #            the skinny-GEMM sweep, prefill attention alone and TTFT; PROFILE=1: per-kernel times (ncu)
 #   stage 2: assemble SmolLM2 from the stored and carried parts; runner, engine and server tests on the GPU
 #            and the SmolLM2 decode benchmark (TESTS=0 skips these); FULL_BENCH=1, LOAD=1: the benchmarks
@@ -31,8 +32,15 @@ print(cupy.cuda.runtime.getDeviceProperties(0)['name'])" >> "$OUT/env.log" 2>&1
     for f in kernels_cuda/*.cu; do
         nvcc -arch=sm_90 -std=c++17 -Ikernels_cuda -DHEAD_DIM=128 -DGROUP=4 -c "$f" -o /tmp/k.o -Xptxas -v 2>&1 \
             | grep -E "error|Compiling entry|registers|spill" ; done > "$OUT/ptxas.log" 2>&1
-    run kernels timeout 420 python3 -m pytest -q -rf tests/test_kernels_gpu.py
-    run runner_tiny timeout 170 python3 -m pytest -q -rf -s tests/test_cuda_runner.py -k "tiny or long_context"
+    run kernels timeout 420 python3 -m pytest -q -rf tests/test_kernels_gpu.py ${KTESTS:+-k "$KTESTS"}
+    run runner_tiny timeout 170 python3 -m pytest -q -rf -s tests/test_cuda_runner.py -k "${RTESTS:-tiny or long_context}"
+    if [ "${FP8:-0}" = 1 ]; then  # --quantization fp8: its matrix products alone, then the decode graphs
+        run fp8_matmuls timeout 300 python3 bench/kernels.py --shape llama3-8b --fp8 --batch 1,16,32,64,128,256,2048
+        run graph_8b_w8 timeout 300 python3 bench/kernels.py --shape llama3-8b --batch 1,16,64,128 --skip-matmul \
+            --quantization fp8
+        grep -h "^fp8" "$OUT"/fp8_matmuls.log | cut -c1-200
+        grep -h "graph" "$OUT"/graph_8b_w8.log | sed 's/ (.*execute/ execute/'
+    fi
     if [ "${SWEEP:-0}" = 1 ]; then  # skinny-GEMM shapes, prefill attention alone, TTFT
         run sweep_8b timeout 300 python3 bench/kernels.py --shape llama3-8b --batch 1,8,16 --gemv-sweep \
             --attention 512,2048,8192

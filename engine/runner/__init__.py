@@ -42,6 +42,9 @@ def make_runner(config: EngineConfig, model: LoadedModel):
     if device == "cuda":
         from .cuda_runner import CudaRunner
         return CudaRunner(config, model)
+    if config.quantization is not None:
+        raise ValueError(f"--quantization {config.quantization} needs the CUDA runner; the CPU runner keeps "
+                         "16-bit or float32 weights")
     if config.cache.kv_fp8:
         raise ValueError(f"--kv-cache-dtype {config.cache.kv_cache_dtype} needs the CUDA runner; the CPU runner "
                          "keeps K/V in float32")

@@ -14,6 +14,7 @@ the flash-attention prefill kernel). Sampling runs on the GPU; only the sampled 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -25,10 +26,11 @@ from kernels_cuda.embedding import embedding
 from kernels_cuda.flash_decode import MAX_SPLITS as FLASH_MAX_SPLITS
 from kernels_cuda.flash_decode import flash_decode
 from kernels_cuda.flash_prefill import flash_prefill, tiles
-from kernels_cuda.gemm import gemm
+from kernels_cuda.gemm import gemm, gemm_fp8
 from kernels_cuda.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from kernels_cuda.gemv import gemv, gemv_rope, gemv_silu
 from kernels_cuda._module import pdl_supported
+from kernels_cuda.quant import Fp8Matrix, quantize_matrix, quantize_rows
 from kernels_cuda.rmsnorm import add_rms_norm, rms_norm
 from kernels_cuda.rope import rope_kv_write
 from kernels_cuda.sampling import sample_tokens, token_logprobs
@@ -159,6 +161,10 @@ class DecodeBuffers:
     lp_top_values: cp.ndarray  # (R, MAX_LOGPROBS) f32
     pen_counts: cp.ndarray  # (slots + 1, vocab) int32 tokens generated, per penalty slot
     pen_prompt_mask: cp.ndarray  # (slots + 1, ceil(vocab / 32)) uint32 prompt tokens, per slot
+    # --quantization fp8, steps of more than GEMV_MAX_ROWS rows: a matrix product's input as
+    # e4m3 codes (flat, up to (A, widest K)) and a scale per row
+    act_q: cp.ndarray | None = None
+    act_scale: cp.ndarray | None = None
 
     def memory_bytes(self) -> int:
         owned = [self.final_norm_out, self.logits, self.sample_work, self.part_o, self.part_ml, self.sampled,
@@ -166,6 +172,7 @@ class DecodeBuffers:
                  self.pen_prompt_mask]
         shared = [self.embed_out, self.norm_out, self.qkv_out, self.q_rot, self.attn_out, self.o_proj_out,
                   self.gate_up_out, self.mlp_act, self.down_out]
+        shared += [a for a in (self.act_q, self.act_scale) if a is not None]
         return self.inputs.nbytes + sum(a.nbytes for a in owned + shared)
 
 
@@ -203,9 +210,15 @@ class CudaRunner:
         self.dtype_name = "bfloat16" if cfg.dtype == "bfloat16" else "float16"
         self.scalar = np.uint16 if self.dtype_name == "bfloat16" else np.float16
         self.kv_fp8 = config.cache.kv_fp8  # K/V as float8 e4m3 bytes (uint8 arrays here)
-        if self.kv_fp8 and tuple(int(c) for c in cp.cuda.Device().compute_capability) < (8, 9):
-            raise RuntimeError(f"--kv-cache-dtype {config.cache.kv_cache_dtype} needs compute capability 8.9 or "
-                               f"newer (Ada, Hopper); this GPU is {cp.cuda.Device().compute_capability}")
+        self.quant_fp8 = config.quantization == "fp8"  # layer matrices as Fp8Matrix
+        for wanted, flag in ((self.kv_fp8, f"--kv-cache-dtype {config.cache.kv_cache_dtype}"),
+                             (self.quant_fp8, f"--quantization {config.quantization}")):
+            if wanted and tuple(int(c) for c in cp.cuda.Device().compute_capability) < (8, 9):
+                raise RuntimeError(f"{flag} needs compute capability 8.9 or newer (Ada, Hopper); this GPU is "
+                                   f"{cp.cuda.Device().compute_capability}")
+        if self.quant_fp8 and (cfg.hidden_size % 16 or cfg.q_size % 16 or cfg.intermediate_size % 16):
+            raise ValueError(f"--quantization fp8 needs hidden, attention and intermediate sizes that are multiples "
+                             f"of 16; this model has {cfg.hidden_size}, {cfg.q_size}, {cfg.intermediate_size}")
         if self.kv_fp8 and cfg.head_dim % 32:
             raise ValueError(f"--kv-cache-dtype {config.cache.kv_cache_dtype} needs a head_dim that is a multiple "
                              f"of 32; this model's is {cfg.head_dim}")
@@ -234,6 +247,9 @@ class CudaRunner:
                 self.weights = pack_model(weights, cfg, np.float32, progress=progress,
                                           matrix=_upload_matrix(self.dtype_name))
                 self._norms_and_biases_to_device()
+            if self.quant_fp8:
+                self._quantize_layers()
+                cp.get_default_memory_pool().free_all_blocks()
             cos, sin = rope_tables(cfg, self.max_model_len)
             self.rope_cos, self.rope_sin = cp.asarray(cos), cp.asarray(sin)
             self.buffers = self._allocate_buffers()
@@ -248,8 +264,8 @@ class CudaRunner:
         self.weight_bytes = self._weight_bytes()
         self.last_roofline_fraction: float | None = None  # of the last decode step, for /metrics
         self._step_events = (cp.cuda.Event(), cp.cuda.Event())
-        log.info("CUDA runner: %s weights, decode buffers %.1f MiB, KV pool %d slots (%.2f GiB, %s), graphs for %s",
-                 self.dtype_name, self.buffers.memory_bytes() / 2**20, self.num_kv_slots,
+        log.info("CUDA runner: %s weights%s, decode buffers %.1f MiB, KV pool %d slots (%.2f GiB, %s), graphs for %s",
+                 self.dtype_name, " (layers fp8 e4m3)" if self.quant_fp8 else "", self.buffers.memory_bytes() / 2**20, self.num_kv_slots,
                  self.kv_pool_bytes / 2**30, "fp8 e4m3" if self.kv_fp8 else self.dtype_name,
                  sorted(self.graphs) or "none (eager)")
 
@@ -289,6 +305,20 @@ class CudaRunner:
             if layer.o_bias is not None:
                 layer.o_bias = cp.asarray(layer.o_bias, dtype=np.float32)
 
+    def _quantize_layers(self) -> None:
+        """--quantization fp8: each layer's four matrices -> e4m3 with a scale per output
+        feature (the embedding and LM head stay 16-bit, as in vLLM), one layer at a time. New
+        layer objects: weights a caller passed in stay as they were."""
+        w = self.weights
+        layers = []
+        for i in range(len(w.layers)):
+            layer = w.layers[i]
+            layers.append(dataclasses.replace(layer, **{
+                name: quantize_matrix(getattr(layer, name))
+                for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+                if not isinstance(getattr(layer, name), Fp8Matrix)}))
+        self.weights = dataclasses.replace(w, layers=layers)
+
     def _allocate_buffers(self) -> DecodeBuffers:
         cfg, R, A = self.config, self.rows, self.max_tokens
         H, D, V = cfg.num_heads, cfg.head_dim, cfg.vocab_size
@@ -306,7 +336,10 @@ class CudaRunner:
             "bias_ids": (np.int32, (MAX_LOGIT_BIAS,)), "bias_vals": (np.float32, (MAX_LOGIT_BIAS,)),
             "banned_ids": (np.int32, (MAX_BANNED,)),
         }
+        widest = max(cfg.hidden_size, cfg.q_size, cfg.intermediate_size)
         return DecodeBuffers(
+            act_q=cp.zeros(A * widest, np.uint8) if self.quant_fp8 else None,
+            act_scale=cp.zeros(A, np.float32) if self.quant_fp8 else None,
             inputs=StagedInputs(R, fields),
             embed_out=cp.zeros((A, cfg.hidden_size), np.float32),
             norm_out=cp.zeros((A, cfg.hidden_size), s),
@@ -380,11 +413,22 @@ class CudaRunner:
 
     # ------------------------------------------------------------------ the model
 
-    def _linear(self, x: cp.ndarray, w: cp.ndarray, out: cp.ndarray, pdl: bool | None = None) -> None:
-        if x.shape[0] <= GEMV_MAX_ROWS:
+    def _linear(self, x: cp.ndarray, w, out: cp.ndarray, pdl: bool | None = None) -> tuple | None:
+        """out = x @ w^T: the skinny GEMM up to GEMV_MAX_ROWS rows (16-bit or fp8 weights),
+        else cuBLAS. fp8 weights there take x quantized per row and leave out unscaled
+        (cuBLASLt's fp8 product): returns the (per token, per feature) scales for the kernel
+        that reads out (its `scales` argument), else None."""
+        n = x.shape[0]
+        if n <= GEMV_MAX_ROWS:
             gemv(x, w, out, pdl=self.pdl if pdl is None else pdl)
+        elif isinstance(w, Fp8Matrix):
+            b = self.buffers
+            xq, x_scale = quantize_rows(x, b.act_q[:x.size].reshape(x.shape), b.act_scale[:n], pdl=self.pdl)
+            gemm_fp8(xq, w, out)
+            return x_scale, w.scale
         else:
             gemm(x, w, out)
+        return None
 
     def _fused(self, n: int) -> bool:
         """Steps of up to GEMV_MAX_ROWS rows run the skinny GEMM with RoPE + K/V write in the
@@ -392,41 +436,44 @@ class CudaRunner:
         kernels a layer); larger steps run cuBLAS and the separate kernels."""
         return n <= GEMV_MAX_ROWS and self._epilogue_shapes_fit
 
-    def _layers(self, n: int, rope: tuple, attention) -> None:
+    def _layers(self, n: int, rope: tuple, attention) -> tuple | None:
         """The decoder layers over the first n rows of the activation buffers; the
-        residual stream ends un-added (the last down projection is added by the caller).
-        rope: (positions, k_ptrs, v_ptrs) of the n tokens; attention(layer_offset) reads q_rot
-        and writes attn_out."""
+        residual stream ends un-added (the last down projection is added by the caller,
+        with the scales returned: see _linear). rope: (positions, k_ptrs, v_ptrs) of the n
+        tokens; attention(layer_offset) reads q_rot and writes attn_out."""
         cfg, b, w = self.config, self.buffers, self.weights
         eps = cfg.rms_norm_eps
         fused = self._fused(n)
         positions, k_ptrs, v_ptrs = rope
+        down_scales = None
         for i, layer in enumerate(w.layers):
             if i == 0:
                 rms_norm(b.embed_out[:n], layer.input_layernorm, eps, out=b.norm_out[:n], pdl=self.pdl)
             else:
                 add_rms_norm(b.embed_out[:n], b.down_out[:n], layer.input_layernorm, eps, out=b.norm_out[:n],
-                             pdl=self.pdl)
+                             pdl=self.pdl, scales=down_scales)
             offset = i * self._layer_elems
             rope_in = (positions, self.rope_cos, self.rope_sin, k_ptrs, v_ptrs, offset, cfg.num_heads, cfg.num_kv_heads)
             if fused:
                 gemv_rope(b.norm_out[:n], layer.qkv_proj, *rope_in, b.q_rot[:n], bias=layer.qkv_bias, pdl=self.pdl,
                           kv_fp8=self.kv_fp8)
             else:
-                self._linear(b.norm_out[:n], layer.qkv_proj, b.qkv_out[:n])
+                scales = self._linear(b.norm_out[:n], layer.qkv_proj, b.qkv_out[:n])
                 rope_kv_write(b.qkv_out[:n], *rope_in, cfg.head_dim, b.q_rot[:n], bias=layer.qkv_bias, pdl=self.pdl,
-                              kv_fp8=self.kv_fp8)
+                              kv_fp8=self.kv_fp8, scales=scales)
             attention(offset)
             attn = b.attn_out[:n].reshape(n, cfg.q_size)
-            self._linear(attn, layer.o_proj, b.o_proj_out[:n], pdl=self.pdl and attn.nbytes <= O_PROJ_PDL_MAX_INPUT)
+            scales = self._linear(attn, layer.o_proj, b.o_proj_out[:n],
+                                  pdl=self.pdl and attn.nbytes <= O_PROJ_PDL_MAX_INPUT)
             add_rms_norm(b.embed_out[:n], b.o_proj_out[:n], layer.post_attention_layernorm, eps,
-                         out=b.norm_out[:n], bias=layer.o_bias, pdl=self.pdl)
+                         out=b.norm_out[:n], bias=layer.o_bias, pdl=self.pdl, scales=scales)
             if fused:
                 gemv_silu(b.norm_out[:n], layer.gate_up_proj, b.mlp_act[:n], pdl=self.pdl)
             else:
-                self._linear(b.norm_out[:n], layer.gate_up_proj, b.gate_up_out[:n])
-                silu_mul(b.gate_up_out[:n], out=b.mlp_act[:n], pdl=self.pdl)
-            self._linear(b.mlp_act[:n], layer.down_proj, b.down_out[:n])
+                scales = self._linear(b.norm_out[:n], layer.gate_up_proj, b.gate_up_out[:n])
+                silu_mul(b.gate_up_out[:n], out=b.mlp_act[:n], pdl=self.pdl, scales=scales)
+            down_scales = self._linear(b.mlp_act[:n], layer.down_proj, b.down_out[:n])
+        return down_scales
 
     def _decode_attention(self, n: int, q: cp.ndarray, k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, kv_lens: cp.ndarray,
                           offset: int) -> None:
@@ -455,9 +502,9 @@ class CudaRunner:
         def attention(offset: int) -> None:
             self._decode_attention(n, b.q_rot[:n], d["k_ptrs"][:n], d["v_ptrs"][:n], d["kv_lens"][:n], offset)
 
-        self._layers(n, (d["positions"][:n], d["k_ptrs"][:n], d["v_ptrs"][:n]), attention)
+        down_scales = self._layers(n, (d["positions"][:n], d["k_ptrs"][:n], d["v_ptrs"][:n]), attention)
         add_rms_norm(b.embed_out[:n], b.down_out[:n], w.norm, cfg.rms_norm_eps, out=b.final_norm_out[:n],
-                     pdl=self.pdl)
+                     pdl=self.pdl, scales=down_scales)
         self._linear(b.final_norm_out[:n], w.lm_head, b.logits[:n])
         self._sample(n)
 
@@ -680,8 +727,9 @@ class CudaRunner:
                     flash_prefill(b.q_rot[:T], dev["tile_seq"], dev["tile_q0"], *prefill_seqs, offset,
                                   cfg.num_kv_heads, cfg.softmax_scale, b.attn_out[:T], window, kv_fp8=self.kv_fp8)
 
-            self._layers(T, (dev["tok_pos"], dev["tok_k"], dev["tok_v"]), attention)
-            add_rms_norm(b.embed_out[:T], b.down_out[:T], w.norm, cfg.rms_norm_eps, out=b.norm_out[:T])
+            down_scales = self._layers(T, (dev["tok_pos"], dev["tok_k"], dev["tok_v"]), attention)
+            add_rms_norm(b.embed_out[:T], b.down_out[:T], w.norm, cfg.rms_norm_eps, out=b.norm_out[:T],
+                         scales=down_scales)
             result = RunnerOutput()
             prompt_rows = [i for i, r in enumerate(rows) if r.want_prompt_logprobs]
             for i in prompt_rows:
