@@ -128,14 +128,16 @@ def fp8_table(shape: dict, batches: list[int]) -> list[str]:
 
 
 SWEEP = [{"WARPS": 8, "DEPTH": 8}, {"WARPS": 8, "DEPTH": 4}, {"WARPS": 16, "DEPTH": 4}, {"WARPS": 4, "DEPTH": 8},
-         {"WARPS": 16, "DEPTH": 8}]  # gemv.cu shape constants to compare
+         {"WARPS": 16, "DEPTH": 8}, {"WARPS": 4, "DEPTH": 4}, {"WARPS": 8, "DEPTH": 2}]  # gemv.cu shape constants
 
 
-def gemv_sweep(shape: dict, batches: list[int]) -> list[str]:
+def gemv_sweep(shape: dict, batches: list[int], fp8: bool = False) -> list[str]:
     """Each SWEEP config of the skinny GEMM against cuBLAS on a shape's matrices: checked
-    against cuBLAS, then timed; the total is one decode step's matrix products."""
+    against cuBLAS, then timed; the total is one decode step's matrix products. fp8: the
+    skinny GEMM reads the matrices quantized to e4m3 (the LM head stays 16-bit)."""
     from kernels_cuda.gemm import gemm
     from kernels_cuda.gemv import gemv
+    from kernels_cuda.quant import quantize_matrix
     mats = step_matrices(shape)
     candidates = [("cublas", gemm)] + [(",".join(f"{key[0]}{val}" for key, val in c.items()),
                                          lambda x_, w_, o_, c=c: gemv(x_, w_, o_, config=c)) for c in SWEEP]
@@ -148,14 +150,17 @@ def gemv_sweep(shape: dict, batches: list[int]) -> list[str]:
             x = cp.random.standard_normal((b, k), dtype=cp.float32).astype(cp.float16)
             out = cp.empty((b, n), cp.float32)
             ref = gemm(x, ws[0], cp.empty((b, n), cp.float32))
+            w8 = [quantize_matrix(w) for w in ws] if fp8 and name != "lm_head" else None
             for label, fn in candidates:
-                fn(x, ws[0], out)
+                wl = w8 if w8 is not None and label != "cublas" else ws
+                fn(x, wl[0], out)
                 err = float(cp.abs(out - ref).max() / (cp.abs(ref).max() + 1e-9))
-                t = time_rotating(fn, x, ws, out)
+                t = time_rotating(fn, x, wl, out)
                 totals[label] = totals.get(label, 0.0) + count * t
-                per.setdefault(label, []).append(f"{name} {t * 1e3:6.1f}us {n * k * 2 / t / 1e6:5.0f}GB/s"
-                                                 + (f" ERR {err:.1e}" if err > 1e-2 else ""))
-            del ws
+                nbytes = n * k * (1 if wl is w8 else 2)
+                per.setdefault(label, []).append(f"{name} {t * 1e3:6.1f}us {nbytes / t / 1e6:5.0f}GB/s"
+                                                 + (f" ERR {err:.1e}" if err > (6e-2 if wl is w8 else 1e-2) else ""))
+            del ws, w8
         step_bytes = sum(n * k * 2 * count for n, k, count in mats.values())
         for label, total in sorted(totals.items(), key=lambda kv_: kv_[1]):
             rows.append(f"B={b:<3d} {label:28s} step matmuls {total:7.3f} ms {step_bytes / total / 1e6:5.0f} GB/s | "
@@ -301,7 +306,7 @@ def main() -> None:
     if lengths:
         lines += attention_table(SHAPES[args.shape], lengths)
     if args.gemv_sweep:
-        print("\n".join(lines + gemv_sweep(SHAPES[args.shape], batches)))
+        print("\n".join(lines + gemv_sweep(SHAPES[args.shape], batches, fp8=args.quantization == "fp8")))
         return
     if args.fp8:
         print("\n".join(lines + fp8_table(SHAPES[args.shape], batches)))

@@ -289,7 +289,9 @@ __device__ __forceinline__ void skinny(const scalar_t *__restrict__ x, const w_t
     }
 }
 
-// Kernels: grid (blocks the epilogue asks for), block (32 WARPS); prefetch: bytes of each
+// Kernels: NAME_8 (up to 8 rows, one tile), NAME_8x2 (up to 8 rows, two tiles: e4m3 weights,
+// whose rows are half as long, so a block still streams as many bytes), NAME_16 (9-16 rows,
+// two tiles). Grid (blocks the epilogue asks for), block (32 WARPS); prefetch: bytes of each
 // weight row to bring into the L2 up front (a multiple of 16, at most a row); wscale: the
 // rows' scales with W_FP8 (else unused, may be null). EPI: the
 // epilogue template, built from the kernel's own parameters (the ones after `prefetch`).
@@ -298,6 +300,11 @@ __device__ __forceinline__ void skinny(const scalar_t *__restrict__ x, const w_t
         NAME##_8(const scalar_t *__restrict__ x, const w_t *__restrict__ w, int B, int N, int K, int prefetch,      \
                  const float *__restrict__ wscale, __VA_ARGS__) {                                                \
         skinny<false, 1>(x, w, B, N, K, prefetch, wscale, EPI<1> INIT);                                          \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                     \
+        NAME##_8x2(const scalar_t *__restrict__ x, const w_t *__restrict__ w, int B, int N, int K,               \
+                   int prefetch, const float *__restrict__ wscale, __VA_ARGS__) {                                \
+        skinny<false, 2>(x, w, B, N, K, prefetch, wscale, EPI<2> INIT);                                          \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                     \
         NAME##_16(const scalar_t *__restrict__ x, const w_t *__restrict__ w, int B, int N, int K,                \
