@@ -121,6 +121,7 @@ class _Lt:
         self._ok(lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
         self.workspace = cp.empty(LT_WORKSPACE_BYTES, np.uint8)
         self.plans: dict[tuple[int, int, int, bool], tuple] = {}
+        self.algos: dict[tuple[int, int, int, bool], _HeuristicResult] = {}
 
     @staticmethod
     def _ok(status: int, what: str) -> None:
@@ -132,10 +133,28 @@ class _Lt:
                  f"cublasLtMatmulDescSetAttribute({attr})")
 
     def plan(self, M: int, N: int, K: int) -> tuple:
+        """(descriptor, layouts, algorithm) of an (M, K) x (N, K)^T product. The algorithm
+        comes from cuBLASLt's heuristic once per power-of-two bucket of M (a serving step's
+        token count changes from step to step, and a heuristic query costs ~ms)."""
         key = (M, N, K, FAST_ACCUM)
         plan = self.plans.get(key)
-        if plan is not None:
-            return plan
+        if plan is None:
+            desc, a, b, c = self._descriptors(M, N, K)
+            bucket = (max(16, 1 << (M - 1).bit_length()), N, K, FAST_ACCUM)
+            algo = self.algos.get(bucket)
+            if algo is None:
+                algo = self.algos[bucket] = self._heuristic(desc, a, b, c, M, N, K)
+            plan = self.plans[key] = (desc, a, b, c, algo)
+        return plan
+
+    def exact(self, M: int, N: int, K: int) -> tuple:
+        """The plan with the heuristic's algorithm for exactly M rows (when a bucket's
+        algorithm does not run on M)."""
+        desc, a, b, c, _ = self.plans[(M, N, K, FAST_ACCUM)]
+        plan = self.plans[(M, N, K, FAST_ACCUM)] = (desc, a, b, c, self._heuristic(desc, a, b, c, M, N, K))
+        return plan
+
+    def _descriptors(self, M: int, N: int, K: int) -> tuple:
         lib, v = self.lib, ctypes.c_void_p
         desc = v()
         self._ok(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), CUBLAS_COMPUTE_32F, CUDA_R_32F),
@@ -150,7 +169,10 @@ class _Lt:
             self._ok(lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), dtype, rows, cols, rows),
                      "cublasLtMatrixLayoutCreate")
             layouts.append(layout)
-        a, b, c = layouts
+        return (desc, *layouts)
+
+    def _heuristic(self, desc, a, b, c, M: int, N: int, K: int) -> "_HeuristicResult":
+        lib, v = self.lib, ctypes.c_void_p
         pref = v()
         self._ok(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
         ws = ctypes.c_uint64(LT_WORKSPACE_BYTES)
@@ -162,9 +184,7 @@ class _Lt:
         if status or found.value < 1:
             raise RuntimeError(f"cuBLASLt has no float8 algorithm for ({M}x{K}) @ ({N}x{K})^T (status {status}); "
                                "--quantization fp8 needs compute capability 8.9+")
-        plan = (desc, a, b, c, result)
-        self.plans[key] = plan
-        return plan
+        return result
 
 
 _lt: _Lt | None = None
@@ -191,10 +211,13 @@ def gemm_fp8(xq: cp.ndarray, w: Fp8Matrix, out: cp.ndarray) -> cp.ndarray:
         return out
     if _lt is None:
         _lt = _Lt()
-    desc, a, b, c, result = _lt.plan(M, N, K)
-    status = _lt.lib.cublasLtMatmul(_lt.handle, desc, ctypes.byref(_ONE_LT), w.data.data.ptr, a, xq.data.ptr, b,
-                                    ctypes.byref(_ZERO_LT), out.data.ptr, c, out.data.ptr, c,
-                                    ctypes.byref(result.algo), _lt.workspace.data.ptr, LT_WORKSPACE_BYTES,
-                                    cp.cuda.get_current_stream().ptr)
+    for attempt in range(2):
+        desc, a, b, c, result = _lt.plan(M, N, K) if attempt == 0 else _lt.exact(M, N, K)
+        status = _lt.lib.cublasLtMatmul(_lt.handle, desc, ctypes.byref(_ONE_LT), w.data.data.ptr, a, xq.data.ptr, b,
+                                        ctypes.byref(_ZERO_LT), out.data.ptr, c, out.data.ptr, c,
+                                        ctypes.byref(result.algo), _lt.workspace.data.ptr, LT_WORKSPACE_BYTES,
+                                        cp.cuda.get_current_stream().ptr)
+        if status == 0:
+            break
     _lt._ok(status, f"cublasLtMatmul ({M}x{K}) @ ({N}x{K})^T")
     return out

@@ -51,30 +51,31 @@ typedef scalar_t w_t;
 // x reads would otherwise cost as much as the weights. A lane's sum over k runs through
 // the same chunks in the same order either way (batch invariance holds across the two).
 
-// A lane's 16-byte weight load as W_WORDS words of two 16-bit k-values (lower k first)
+#if W_FP8
+// A lane's 16-byte load of e4m3 weights as 8 words of two 16-bit k-values (lower k first)
 __device__ __forceinline__ void weight_words(const uint4 &v, unsigned out[W_WORDS]) {
     const unsigned in[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int i = 0; i < 4; i++) {
-#if W_FP8
         out[2 * i] = fp8x2_to_scalar2((unsigned short)(in[i] & 0xffff));
         out[2 * i + 1] = fp8x2_to_scalar2((unsigned short)(in[i] >> 16));
-#else
-        out[i] = in[i];
-#endif
     }
 }
+#endif
 
 // One pass of a warp over DEPTH / TILES chunks starting at chunk c0: loads first, then MMAs.
 // A chunk is 4 lanes' 16-byte weight groups; x brings the matching W_WORDS words (one or
 // two 16-byte loads). CHECKED: some chunk may reach past K (those loads are skipped and
-// read as zero).
+// read as zero). The 16-bit form is kept apart, written as it was before e4m3 weights:
+// nvcc unrolls the loops around it more (a common form cost 8B decode graphs ~9 % at 1-16
+// rows on the H200).
 template <bool WIDE, int TILES, bool CHECKED>
 __device__ __forceinline__ void skinny_pass(const uint4 *const wrow[TILES], const uint4 *xrow, const uint4 *xrow2,
                                             float c[TILES][4], int c0, int q, int groups) {
-    constexpr int D = DEPTH / TILES, XV = W_WORDS / 4;  // x loads per weight load
+    constexpr int D = DEPTH / TILES;
     const uint4 zero = make_uint4(0, 0, 0, 0);
-    uint4 wv[TILES][D], xv[D][XV], yv[D][XV];
+#if W_FP8
+    uint4 wv[TILES][D], xv[D][2], yv[D][2];
 #pragma unroll
     for (int u = 0; u < D; u++) {
         const int k8 = (c0 + u * WARPS) * 4 + q;  // this lane's 16-byte group of weights
@@ -82,19 +83,17 @@ __device__ __forceinline__ void skinny_pass(const uint4 *const wrow[TILES], cons
 #pragma unroll
         for (int t = 0; t < TILES; t++) wv[t][u] = ok ? __ldcs(wrow[t] + k8) : zero;
 #pragma unroll
-        for (int h = 0; h < XV; h++) {
-            xv[u][h] = ok ? __ldg(xrow + XV * k8 + h) : zero;
-            yv[u][h] = WIDE && ok ? __ldg(xrow2 + XV * k8 + h) : zero;
+        for (int h = 0; h < 2; h++) {
+            xv[u][h] = ok ? __ldg(xrow + 2 * k8 + h) : zero;
+            yv[u][h] = WIDE && ok ? __ldg(xrow2 + 2 * k8 + h) : zero;
         }
     }
 #pragma unroll
     for (int u = 0; u < D; u++) {
-        unsigned xw[W_WORDS], yw[W_WORDS];
-#pragma unroll
-        for (int h = 0; h < XV; h++) {
-            xw[4 * h] = xv[u][h].x, xw[4 * h + 1] = xv[u][h].y, xw[4 * h + 2] = xv[u][h].z, xw[4 * h + 3] = xv[u][h].w;
-            yw[4 * h] = yv[u][h].x, yw[4 * h + 1] = yv[u][h].y, yw[4 * h + 2] = yv[u][h].z, yw[4 * h + 3] = yv[u][h].w;
-        }
+        const unsigned xw[8] = {xv[u][0].x, xv[u][0].y, xv[u][0].z, xv[u][0].w,
+                                xv[u][1].x, xv[u][1].y, xv[u][1].z, xv[u][1].w};
+        const unsigned yw[8] = {yv[u][0].x, yv[u][0].y, yv[u][0].z, yv[u][0].w,
+                                yv[u][1].x, yv[u][1].y, yv[u][1].z, yv[u][1].w};
 #pragma unroll
         for (int t = 0; t < TILES; t++) {
             unsigned ww[W_WORDS];
@@ -104,6 +103,26 @@ __device__ __forceinline__ void skinny_pass(const uint4 *const wrow[TILES], cons
                 mma_16816(c[t], xw[2 * j], yw[2 * j], xw[2 * j + 1], yw[2 * j + 1], ww[2 * j], ww[2 * j + 1]);
         }
     }
+#else
+    uint4 wv[TILES][D], xv[D], yv[D];
+#pragma unroll
+    for (int u = 0; u < D; u++) {
+        const int k8 = (c0 + u * WARPS) * 4 + q;  // this lane's 16-byte group of k
+        const bool ok = !CHECKED || k8 < groups;
+#pragma unroll
+        for (int t = 0; t < TILES; t++) wv[t][u] = ok ? __ldcs(wrow[t] + k8) : zero;
+        xv[u] = ok ? __ldg(xrow + k8) : zero;
+        yv[u] = WIDE && ok ? __ldg(xrow2 + k8) : zero;
+    }
+#pragma unroll
+    for (int u = 0; u < D; u++) {
+#pragma unroll
+        for (int t = 0; t < TILES; t++) {
+            mma_16816(c[t], xv[u].x, yv[u].x, xv[u].y, yv[u].y, wv[t][u].x, wv[t][u].y);
+            mma_16816(c[t], xv[u].z, yv[u].z, xv[u].w, yv[u].w, wv[t][u].z, wv[t][u].w);
+        }
+    }
+#endif
 }
 
 // A lane's block sums: v[4 t + i] of tile t, i = 0, 1 (row g, slots 8 t + 2q + i) and
@@ -251,7 +270,7 @@ __device__ __forceinline__ void skinny(const scalar_t *__restrict__ x, const w_t
     }
 #endif
     PDL_ENTER();
-    const int groups = K / (2 * W_WORDS);  // 16-byte groups of weights in a row
+    const int groups = W_FP8 ? K >> 4 : K >> 3;  // 16-byte groups of weights in a row
     const int chunks = (groups + 3) >> 2, whole = groups >> 2;
     const uint4 *xrow = reinterpret_cast<const uint4 *>(x + (long long)(g < B ? g : 0) * K);
     const uint4 *xrow2 = reinterpret_cast<const uint4 *>(x + (long long)(g + 8 < B ? g + 8 : 0) * K);

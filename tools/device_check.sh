@@ -81,18 +81,29 @@ else
         run bench_8b_kv8 timeout 300 python3 bench/decode.py --model random:llama3-8b --device cuda \
             --batch 1,32,64,128 --prompt-len 512 --max-tokens 128 --kv-cache-gib 24 --kv-cache-dtype fp8 \
             --json "$OUT/decode_8b_kv8.json"
+        run bench_8b_w8 timeout 300 python3 bench/decode.py --model random:llama3-8b --device cuda \
+            --batch 1,32,64,128 --prompt-len 512 --max-tokens 128 --kv-cache-gib 24 --kv-cache-dtype fp8 \
+            --quantization fp8 --json "$OUT/decode_8b_w8.json"
         run prefill_8b timeout 200 python3 bench/prefill.py --model random:llama3-8b --json "$OUT/prefill_8b.json"
+        run prefill_8b_w8 timeout 200 python3 bench/prefill.py --model random:llama3-8b --quantization fp8 \
+            --json "$OUT/prefill_8b_w8.json"
         run peer_hf timeout 400 python3 bench/peer_hf.py --shape llama3-8b --batch 1,32,128 --json "$OUT/peer_hf.json"
-        python3 -m server.cli serve --model random:llama3-8b --port 8011 --max-num-seqs 256 \
-            --max-num-batched-tokens 8192 --kv-cache-gib 40 --max-model-len 2048 > "$OUT/serve_8b_server.log" 2>&1 &
-        srv=$!
-        for i in $(seq 1 180); do curl -sf localhost:8011/health > /dev/null && break; sleep 1; done
-        run serve_8b_c256 timeout 240 python3 bench/serve.py --url http://127.0.0.1:8011 --num-prompts 512 \
-            --input-len 512 --output-len 128 --concurrency 256 --vocab 120000 --json "$OUT/serve_8b_c256.json"
-        run serve_8b_c1 timeout 120 python3 bench/serve.py --url http://127.0.0.1:8011 --num-prompts 6 \
-            --input-len 512 --output-len 128 --concurrency 1 --vocab 120000 --json "$OUT/serve_8b_c1.json"
-        curl -s localhost:8011/metrics | grep -E "roofline|num_requests|kv_cache_usage" > "$OUT/serve_metrics.log"
-        kill $srv; wait $srv 2>/dev/null
+        for variant in 16 w8; do  # 16-bit weights and K/V; then --quantization fp8 --kv-cache-dtype fp8
+            extra=(); sfx=""
+            [ $variant = w8 ] && { extra=(--quantization fp8 --kv-cache-dtype fp8); sfx=_w8; }
+            python3 -m server.cli serve --model random:llama3-8b --port 8011 --max-num-seqs 256 "${extra[@]}" \
+                --max-num-batched-tokens 8192 --kv-cache-gib 40 --max-model-len 2048 \
+                > "$OUT/serve_8b${sfx}_server.log" 2>&1 &
+            srv=$!
+            for i in $(seq 1 180); do curl -sf localhost:8011/health > /dev/null && break; sleep 1; done
+            run serve_8b${sfx}_c256 timeout 240 python3 bench/serve.py --url http://127.0.0.1:8011 --num-prompts 512 \
+                --input-len 512 --output-len 128 --concurrency 256 --vocab 120000 --json "$OUT/serve_8b${sfx}_c256.json"
+            run serve_8b${sfx}_c1 timeout 120 python3 bench/serve.py --url http://127.0.0.1:8011 --num-prompts 6 \
+                --input-len 512 --output-len 128 --concurrency 1 --vocab 120000 --json "$OUT/serve_8b${sfx}_c1.json"
+            curl -s localhost:8011/metrics | grep -E "roofline|num_requests|kv_cache_usage" \
+                > "$OUT/serve${sfx}_metrics.log"
+            kill $srv; wait $srv 2>/dev/null
+        done
     fi
     if [ "${LOAD:-0}" = 1 ]; then  # issue 8's load test (500 requests, 64 concurrent, 10 % dropped) on the GPU
         for spec in "smollm2:$model" "llama3-8b:random:llama3-8b"; do
@@ -106,7 +117,7 @@ else
             kill $srv; wait $srv 2>/dev/null
         done
     fi
-    tail -n 6 "$OUT"/bench_*.log "$OUT"/prefill_8b.log "$OUT"/peer_hf.log "$OUT"/serve_8b_c*.log 2>/dev/null
+    tail -n 6 "$OUT"/bench_*.log "$OUT"/prefill_8b*.log "$OUT"/peer_hf.log "$OUT"/serve_8b*_c*.log 2>/dev/null
     tail -n 22 "$OUT"/load_*.log 2>/dev/null | grep -vE "^\s*$"
 fi
 echo
