@@ -40,10 +40,8 @@
 #endif
 #if W_FP8
 typedef unsigned char w_t;
-#define W_WORDS 8  // 16-bit pairs of k a 16-byte weight load holds
 #else
 typedef scalar_t w_t;
-#define W_WORDS 4
 #endif
 
 // TILES: 8-feature tiles a block computes. gemv_8 (B <= 8) takes one; gemv_16 (B > 8)
@@ -51,21 +49,9 @@ typedef scalar_t w_t;
 // x reads would otherwise cost as much as the weights. A lane's sum over k runs through
 // the same chunks in the same order either way (batch invariance holds across the two).
 
-#if W_FP8
-// A lane's 16-byte load of e4m3 weights as 8 words of two 16-bit k-values (lower k first)
-__device__ __forceinline__ void weight_words(const uint4 &v, unsigned out[W_WORDS]) {
-    const unsigned in[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        out[2 * i] = fp8x2_to_scalar2((unsigned short)(in[i] & 0xffff));
-        out[2 * i + 1] = fp8x2_to_scalar2((unsigned short)(in[i] >> 16));
-    }
-}
-#endif
-
 // One pass of a warp over DEPTH / TILES chunks starting at chunk c0: loads first, then MMAs.
-// A chunk is 4 lanes' 16-byte weight groups; x brings the matching W_WORDS words (one or
-// two 16-byte loads). CHECKED: some chunk may reach past K (those loads are skipped and
+// A chunk is 4 lanes' 16-byte weight groups; x brings the matching k-values (one 16-byte
+// load, two for e4m3 weights). CHECKED: some chunk may reach past K (those loads are skipped and
 // read as zero). The 16-bit form is kept apart, written as it was before e4m3 weights:
 // nvcc unrolls the loops around it more (a common form cost 8B decode graphs ~9 % at 1-16
 // rows on the H200).
@@ -96,10 +82,10 @@ __device__ __forceinline__ void skinny_pass(const uint4 *const wrow[TILES], cons
                                 yv[u][1].x, yv[u][1].y, yv[u][1].z, yv[u][1].w};
 #pragma unroll
         for (int t = 0; t < TILES; t++) {
-            unsigned ww[W_WORDS];
-            weight_words(wv[t][u], ww);
+            unsigned ww[8];  // the 16 e4m3 k-values as 16-bit pairs, lower k first
+            fp8x16_to_scalar2x8(wv[t][u], ww);
 #pragma unroll
-            for (int j = 0; j < W_WORDS / 2; j++)
+            for (int j = 0; j < 4; j++)
                 mma_16816(c[t], xw[2 * j], yw[2 * j], xw[2 * j + 1], yw[2 * j + 1], ww[2 * j], ww[2 * j + 1]);
         }
     }

@@ -239,7 +239,8 @@ class CudaRunner:
         self.max_splits = max(s for _, s in self.splits.values())
 
         with self.stream:
-            if isinstance(weights, ModelWeights):
+            given = isinstance(weights, ModelWeights)
+            if given:
                 self.weights = weights
             elif isinstance(weights, RandomWeights):  # benchmarks: draw them here, not on the host
                 self.weights = self._random_weights(weights.seed)
@@ -248,7 +249,7 @@ class CudaRunner:
                                           matrix=_upload_matrix(self.dtype_name))
                 self._norms_and_biases_to_device()
             if self.quant_fp8:
-                self._quantize_layers()
+                self._quantize_layers(in_place=not given)
                 cp.get_default_memory_pool().free_all_blocks()
             cos, sin = rope_tables(cfg, self.max_model_len)
             self.rope_cos, self.rope_sin = cp.asarray(cos), cp.asarray(sin)
@@ -305,19 +306,21 @@ class CudaRunner:
             if layer.o_bias is not None:
                 layer.o_bias = cp.asarray(layer.o_bias, dtype=np.float32)
 
-    def _quantize_layers(self) -> None:
+    def _quantize_layers(self, in_place: bool) -> None:
         """--quantization fp8: each layer's four matrices -> e4m3 with a scale per output
-        feature (the embedding and LM head stay 16-bit, as in vLLM), one layer at a time. New
-        layer objects: weights a caller passed in stay as they were."""
+        feature (the embedding and LM head stay 16-bit, as in vLLM), one layer at a time.
+        in_place (weights this runner loaded): each layer's 16-bit matrices are dropped as
+        soon as it is done, so the peak is the 16-bit model plus one layer; otherwise new
+        layer objects, and weights a caller passed in stay as they were."""
         w = self.weights
-        layers = []
-        for i in range(len(w.layers)):
-            layer = w.layers[i]
-            layers.append(dataclasses.replace(layer, **{
-                name: quantize_matrix(getattr(layer, name))
-                for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-                if not isinstance(getattr(layer, name), Fp8Matrix)}))
-        self.weights = dataclasses.replace(w, layers=layers)
+        layers = w.layers if in_place else list(w.layers)
+        for i, layer in enumerate(layers):
+            mats = {name: getattr(layer, name) for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
+            layers[i] = dataclasses.replace(layer, **{name: quantize_matrix(m) for name, m in mats.items()
+                                                      if not isinstance(m, Fp8Matrix)})
+            del layer, mats
+        if not in_place:
+            self.weights = dataclasses.replace(w, layers=layers)
 
     def _allocate_buffers(self) -> DecodeBuffers:
         cfg, R, A = self.config, self.rows, self.max_tokens
