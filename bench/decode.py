@@ -36,7 +36,7 @@ def run_batch(engine: Engine, batch: int, prompt_len: int, max_tokens: int) -> d
     done = threading.Event()
     finished = []
     step_times: list[float] = []
-    engine.on_step = lambda _engine, seconds: step_times.append(seconds)
+    engine.on_step = lambda _engine, _out, seconds: step_times.append(seconds)
 
     def sink(out):  # called on the engine thread
         if out.finished:

@@ -8,7 +8,19 @@ Prompts are random token ids of exactly --input-len tokens (sent as token-id pro
 /v1/completions, streamed, ignore_eos, max_tokens --output-len). Arrivals: all at once
 under a concurrency cap, or a Poisson process (--request-rate). Reports request and
 output-token throughput and mean / p50 / p99 of TTFT, TPOT (per output token after the
-first), ITL (between streamed chunks) and end-to-end latency, in ms.
+first), ITL (between streamed chunks) and end-to-end latency, in ms. The load comes from
+--processes client processes (default one per 64 streams, each with its share of the
+streams, starting together): at 256 streams an 8B model on an H200 sends ~20k events/s,
+more than one Python client parses, and a client that falls behind sends its next request
+late and counts its own lag as TTFT (H200, fp8 8B: 5.1-5.3k tok/s from one process, 8.3k
+from four, 8.6k for the engine alone).
+
+    python bench/serve.py --engine random:llama3-8b --quantization fp8 --num-prompts 512 ...
+
+With --engine, the same load drives the engine in this process (no HTTP, no tokenizer),
+and every engine step is traced: how many decode rows and prompt tokens it ran and how
+long it took. The summary splits the run's time into decode-only, mixed and prefill-only
+steps, which shows where a serving run loses to the engine's own rates.
 """
 
 from __future__ import annotations
@@ -18,6 +30,7 @@ import asyncio
 import json
 import random
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,28 +90,148 @@ def stats(values: list[float]) -> dict[str, float]:
             "p99": 1e3 * s[min(len(s) - 1, int(0.99 * len(s)))]}
 
 
-async def run(args) -> dict:
+async def engine_request(engine, prompt: list[int], output_len: int) -> Result:
+    """The engine-mode twin of one_request: the same timings, from engine.generate's deltas."""
+    from engine import SamplingParams
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    result = Result()
+    start = last = time.perf_counter()
+    async for out in engine.generate(prompt, params):
+        now = time.perf_counter()
+        if out.error:
+            result.error = out.error
+            return result
+        if any(c.token_ids for c in out.outputs):
+            if result.output_tokens == 0:
+                result.ttft = now - start
+            else:
+                result.itl.append(now - last)
+            last = now
+        result.output_tokens = out.num_generated_tokens
+    result.e2e = time.perf_counter() - start
+    result.ok = result.output_tokens > 0
+    return result
+
+
+async def closed_loop(prompts: list[list[int]], concurrency: int, request_rate: float, seed: int, output_len: int,
+                      send) -> tuple[list[Result], float, float]:
+    """Send every prompt (send(prompt, output_len) -> Result), at most `concurrency` at a
+    time, all at once or at Poisson arrivals; the results, and when it started and ended."""
+    rng = random.Random(seed)
+    gate = asyncio.Semaphore(concurrency)
+
+    async def limited(prompt):
+        async with gate:
+            return await send(prompt, output_len)
+
+    start = time.perf_counter()
+    tasks = []
+    for prompt in prompts:
+        tasks.append(asyncio.create_task(limited(prompt)))
+        if request_rate != float("inf"):
+            await asyncio.sleep(rng.expovariate(request_rate))
+    results = await asyncio.gather(*tasks)
+    return results, start, time.perf_counter()
+
+
+def make_prompts(args) -> list[list[int]]:
     rng = random.Random(args.seed)
-    prompts = [[rng.randrange(100, args.vocab) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
-    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
+    return [[rng.randrange(100, args.vocab) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
+
+
+async def http_part(args, part: int) -> tuple[str, list[Result], float, float]:
+    """Client process `part` of --processes: prompts part, part + P, ...; its share of the
+    concurrency and of the arrival rate."""
+    P = args.processes
+    prompts = make_prompts(args)[part::P]
+    concurrency = args.concurrency // P + (part < args.concurrency % P)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     async with httpx.AsyncClient(base_url=args.url, timeout=None, limits=limits, headers=headers) as client:
         model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
         await one_request(client, model, prompts[0][:16], 4)  # warm-up
-        gate = asyncio.Semaphore(args.concurrency)
+        if args.start_at:  # every process starts its load at the same moment
+            await asyncio.sleep(max(0.0, args.start_at - time.time()))
+        results, start, end = await closed_loop(prompts, concurrency, args.request_rate / P, args.seed + 1 + part,
+                                                args.output_len,
+                                                lambda prompt, n: one_request(client, model, prompt, n))
+    return model, results, start, end
 
-        async def limited(prompt):
-            async with gate:
-                return await one_request(client, model, prompt, args.output_len)
 
-        start = time.perf_counter()
-        tasks = []
-        for prompt in prompts:
-            tasks.append(asyncio.create_task(limited(prompt)))
-            if args.request_rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(args.request_rate))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
+def _run_part(args, part: int):
+    return asyncio.run(http_part(args, part))
+
+
+def run(args) -> dict:
+    """The HTTP load, from one client process or --processes of them (a single Python
+    client can fall behind the server's events at hundreds of streams)."""
+    args.start_at = None
+    if args.processes == 1:
+        parts = [_run_part(args, 0)]
+    else:
+        import concurrent.futures
+        import multiprocessing
+        args.start_at = time.time() + 10.0  # after every process has started and warmed up
+        with concurrent.futures.ProcessPoolExecutor(args.processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+            parts = list(pool.map(_run_part, [args] * args.processes, range(args.processes)))
+    results = [r for part in parts for r in part[1]]
+    return summarize(args, parts[0][0], results, max(p[3] for p in parts) - min(p[2] for p in parts))
+
+
+def step_summary(trace: list[tuple[int, int, float]]) -> dict:
+    """Engine steps by kind: (decode rows, prompt tokens, seconds) each."""
+    kinds = {"decode": [], "mixed": [], "prefill": []}
+    for decodes, prefill, seconds in trace:
+        kinds["decode" if not prefill else "prefill" if not decodes else "mixed"].append((decodes, prefill, seconds))
+    total = sum(t[2] for t in trace) or 1.0
+    out = {}
+    for kind, steps in kinds.items():
+        if steps:
+            out[kind] = {"steps": len(steps), "seconds": sum(t[2] for t in steps),
+                         "share": sum(t[2] for t in steps) / total,
+                         "ms_p50": 1e3 * statistics.median(t[2] for t in steps),
+                         "decode_rows_p50": statistics.median(t[0] for t in steps),
+                         "prompt_tokens_p50": statistics.median(t[1] for t in steps),
+                         "prompt_tok_s": sum(t[1] for t in steps) / max(1e-9, sum(t[2] for t in steps))}
+    return out
+
+
+async def run_engine(args) -> dict:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from engine import Engine, EngineConfig, SchedulerConfig
+    from engine.config import CacheConfig
+    gib = int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None
+    engine = Engine(EngineConfig(
+        model=args.engine, device=args.device, quantization=args.quantization,
+        cache=CacheConfig(kv_cache_bytes=gib, kv_cache_dtype=args.kv_cache_dtype),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_waiting=max(args.num_prompts, 1),
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_model_len=args.input_len + args.output_len + 16)))
+    args.vocab = min(args.vocab, engine.model_config.vocab_size)
+    prompts = make_prompts(args)
+    engine.start()
+    try:
+        await engine_request(engine, prompts[0][:16], 4)  # warm-up
+        trace: list[tuple[int, int, float]] = []
+
+        def on_step(_engine, out, seconds):  # a decode row: one token past the prompt; the rest is prefill
+            decodes = sum(1 for s in out.seqs if s.num_tokens == 1 and s.start_pos >= len(s.prompt_token_ids))
+            trace.append((decodes, out.num_tokens - decodes, seconds))
+        engine.on_step = on_step
+        results, start, end = await closed_loop(prompts, args.concurrency, args.request_rate, args.seed + 1,
+                                                args.output_len, lambda prompt, n: engine_request(engine, prompt, n))
+        engine.on_step = None
+    finally:
+        engine.shutdown()
+    summary = summarize(args, args.engine, results, end - start)
+    summary["steps"] = step_summary(trace)
+    summary["step_seconds"] = sum(t[2] for t in trace)
+    if args.trace:
+        Path(args.trace).write_text(json.dumps(trace))
+    return summary
+
+
+def summarize(args, model: str, results: list[Result], duration: float) -> dict:
     ok = [r for r in results if r.ok]
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     summary = {
@@ -114,7 +247,7 @@ async def run(args) -> dict:
     return summary
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="http://127.0.0.1:8000")
     ap.add_argument("--model", help="model id (default: the server's first)")
@@ -126,9 +259,28 @@ def main() -> None:
     ap.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
     ap.add_argument("--vocab", type=int, default=30000, help="prompt token ids are drawn below this")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--processes", type=int, default=None,
+                    help="client processes sharing the load (HTTP; default: one per 64 streams): one Python "
+                         "client falls behind a server that sends ~20k events/s, and then measures itself")
     ap.add_argument("--json")
-    args = ap.parse_args()
-    summary = asyncio.run(run(args))
+    engine = ap.add_argument_group("engine mode (no HTTP)")
+    engine.add_argument("--engine", metavar="MODEL", help="drive this model's engine in-process instead of --url")
+    engine.add_argument("--device", default="auto")
+    engine.add_argument("--quantization", default=None)
+    engine.add_argument("--kv-cache-dtype", default="auto")
+    engine.add_argument("--kv-cache-gib", type=float, default=None)
+    engine.add_argument("--max-num-seqs", type=int, default=256)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    engine.add_argument("--trace", help="write every step's (decode rows, prompt tokens, seconds) here")
+    args = ap.parse_args(argv)
+    if args.processes is None:
+        args.processes = max(1, min(args.concurrency, (args.concurrency + 63) // 64))
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    summary = asyncio.run(run_engine(args)) if args.engine else run(args)
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))
     print(f"{summary['completed']}/{args.num_prompts} ok in {summary['duration_s']:.2f}s: "
@@ -138,6 +290,13 @@ def main() -> None:
         print(f"  {key[:-3]:5s} mean {s['mean']:9.2f}  p50 {s['p50']:9.2f}  p99 {s['p99']:9.2f} ms")
     if summary["errors"]:
         print("  errors:", summary["errors"])
+    if "steps" in summary:
+        print(f"  engine steps ({summary['step_seconds']:.2f}s of {summary['duration_s']:.2f}s):")
+        print(f"  {'kind':8s} {'steps':>6} {'seconds':>8} {'share':>6} {'ms p50':>8} {'decodes p50':>12} "
+              f"{'prompt tok p50':>15} {'prompt tok/s':>13}")
+        for kind, k in summary["steps"].items():
+            print(f"  {kind:8s} {k['steps']:>6} {k['seconds']:>8.2f} {100 * k['share']:>5.1f}% {k['ms_p50']:>8.2f} "
+                  f"{k['decode_rows_p50']:>12.0f} {k['prompt_tokens_p50']:>15.0f} {k['prompt_tok_s']:>13.0f}")
 
 
 if __name__ == "__main__":

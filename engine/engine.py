@@ -9,6 +9,7 @@ scheduler and runner are only ever touched by the thread that steps.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import threading
@@ -66,6 +67,18 @@ class RequestOutput:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    def then(self, later: RequestOutput) -> RequestOutput:
+        """This delta followed by a later one of the same request, as one delta."""
+        outputs = {c.index: c for c in self.outputs}
+        for c in later.outputs:
+            prev = outputs.get(c.index)
+            outputs[c.index] = c if prev is None else CompletionOutput(
+                c.index, prev.text + c.text, prev.token_ids + c.token_ids,
+                None if prev.logprobs is None and c.logprobs is None else (prev.logprobs or []) + (c.logprobs or []),
+                c.finish_reason, c.stop_reason)
+        return dataclasses.replace(later, outputs=sorted(outputs.values(), key=lambda c: c.index),
+                                   prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs)
 
 
 Sink = Callable[[RequestOutput], None]
@@ -162,7 +175,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.dead: BaseException | None = None
-        self.on_step: Callable[[Engine, float], None] | None = None  # observer: (engine, step seconds)
+        # observer of each step: (engine, what was scheduled, seconds it took)
+        self.on_step: Callable[[Engine, SchedulerOutput, float], None] | None = None
         self.observer = EngineObserver()
         self._loop_sinks: dict[asyncio.AbstractEventLoop, LoopSink] = {}
         self._flush: set[LoopSink] = set()
@@ -237,6 +251,10 @@ class Engine:
         try:
             while not finished:
                 out = await queue.get()
+                # a consumer that fell behind gets what is waiting as one delta: under load
+                # (hundreds of streams) that is fewer events to serialize, not more latency
+                while not out.finished and out.error is None and not queue.empty():
+                    out = out.then(queue.get_nowait())
                 finished = out.finished
                 yield out
         finally:
@@ -308,7 +326,7 @@ class Engine:
         self.stats.steps += 1
         outputs += self._emit(touched)
         if self.on_step is not None:
-            self.on_step(self, time.perf_counter() - started)
+            self.on_step(self, sched_out, time.perf_counter() - started)
         return outputs
 
     # ------------------------------------------------------------ internals

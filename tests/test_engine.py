@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -110,6 +111,32 @@ def test_async_stream_deltas_add_up(served):
     assert final.finished and len(deltas) > 3
     expected = served.tokenizer.decode(served_tokens(served, ids, 20))
     assert "".join(deltas) == expected
+
+
+def test_a_stream_that_falls_behind_gets_merged_deltas(served):
+    """A consumer busy elsewhere (a server with hundreds of streams) gets what waited as one
+    delta: fewer events, the same tokens, text and logprobs."""
+    ids = served.tokenizer.encode("Write a haiku about the sea:")
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=1)
+
+    async def collect():
+        deltas = []
+        async for out in served.generate(ids, params):
+            deltas.append(out)
+            if len(deltas) == 1:
+                time.sleep(1.0)  # the loop is busy: the engine keeps producing
+        return deltas
+
+    deltas = asyncio.run(collect())
+    tokens = [t for d in deltas for c in d.outputs for t in c.token_ids]
+    assert tokens == served_tokens(served, ids, 24)
+    assert len(deltas) < len(tokens)  # something was merged
+    merged = max(deltas, key=lambda d: sum(len(c.token_ids) for c in d.outputs))
+    assert len(merged.outputs[0].token_ids) > 1
+    assert len(merged.outputs[0].logprobs) == len(merged.outputs[0].token_ids)
+    assert "".join(c.text for d in deltas for c in d.outputs) == served.tokenizer.decode(tokens)
+    assert deltas[-1].finished and deltas[-1].outputs[0].finish_reason == "length"
+    assert deltas[-1].num_generated_tokens == 24
 
 
 def served_tokens(engine, ids, n):

@@ -91,12 +91,16 @@ else
         for variant in 16 w8; do  # 16-bit weights and K/V; then --quantization fp8 --kv-cache-dtype fp8
             extra=(); sfx=""
             [ $variant = w8 ] && { extra=(--quantization fp8 --kv-cache-dtype fp8); sfx=_w8; }
+            # the same load on the engine alone, every step traced (where serving time goes)
+            run serve_8b${sfx}_engine timeout 240 python3 bench/serve.py --engine random:llama3-8b --device cuda \
+                "${extra[@]}" --max-num-batched-tokens 8192 --kv-cache-gib 40 --num-prompts 1024 --input-len 512 \
+                --output-len 128 --concurrency 256 --vocab 120000 --json "$OUT/serve_8b${sfx}_engine.json"
             python3 -m server.cli serve --model random:llama3-8b --port 8011 --max-num-seqs 256 "${extra[@]}" \
                 --max-num-batched-tokens 8192 --kv-cache-gib 40 --max-model-len 2048 \
                 > "$OUT/serve_8b${sfx}_server.log" 2>&1 &
             srv=$!
             for i in $(seq 1 180); do curl -sf localhost:8011/health > /dev/null && break; sleep 1; done
-            run serve_8b${sfx}_c256 timeout 240 python3 bench/serve.py --url http://127.0.0.1:8011 --num-prompts 512 \
+            run serve_8b${sfx}_c256 timeout 240 python3 bench/serve.py --url http://127.0.0.1:8011 --num-prompts 1024 \
                 --input-len 512 --output-len 128 --concurrency 256 --vocab 120000 --json "$OUT/serve_8b${sfx}_c256.json"
             run serve_8b${sfx}_c1 timeout 120 python3 bench/serve.py --url http://127.0.0.1:8011 --num-prompts 6 \
                 --input-len 512 --output-len 128 --concurrency 1 --vocab 120000 --json "$OUT/serve_8b${sfx}_c1.json"
@@ -118,6 +122,7 @@ else
         done
     fi
     tail -n 6 "$OUT"/bench_*.log "$OUT"/prefill_8b*.log "$OUT"/peer_hf.log "$OUT"/serve_8b*_c*.log 2>/dev/null
+    tail -n 5 "$OUT"/serve_8b*_engine.log 2>/dev/null
     tail -n 22 "$OUT"/load_*.log 2>/dev/null | grep -vE "^\s*$"
 fi
 echo

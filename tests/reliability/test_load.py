@@ -16,3 +16,34 @@ def test_load_with_cancellations(busy_server):
     assert summary["completed_ok"] == 500 - summary["cancelled"]
     assert summary["idle_after"], summary["metrics_after"]  # 0 running, 0 waiting, KV back to empty
     assert busy_server.proc.poll() is None
+
+
+def test_serve_bench_from_two_client_processes(busy_server):
+    from bench import serve
+    args = serve.parse_args(["--url", busy_server.url, "--num-prompts", "12", "--input-len", "8",
+                             "--output-len", "5", "--concurrency", "6", "--processes", "2", "--vocab", "40000"])
+    summary = serve.run(args)
+    assert summary["completed"] == 12 and summary["failed"] == 0, summary["errors"]
+    assert summary["output_throughput"] == 12 * 5 / summary["duration_s"]
+    assert 0 < summary["ttft_ms"]["p50"] <= summary["e2e_ms"]["p50"]
+
+
+def test_serve_bench_engine_mode_traces_every_step(smollm2_path, tmp_path):
+    import asyncio as aio
+    import json
+
+    from bench import serve
+    trace = tmp_path / "trace.json"
+    args = serve.parse_args(["--engine", smollm2_path, "--device", "cpu", "--num-prompts", "6", "--input-len", "40",
+                             "--output-len", "4", "--concurrency", "3", "--max-num-batched-tokens", "64",
+                             "--max-num-seqs", "3", "--vocab", "40000", "--trace", str(trace)])
+    summary = aio.run(serve.run_engine(args))
+    assert summary["completed"] == 6 and summary["output_throughput"] == 6 * 4 / summary["duration_s"]
+    steps = json.loads(trace.read_text())
+    assert sum(t[1] for t in steps) == 6 * 40  # every prompt token, once
+    assert sum(t[0] for t in steps) == 6 * 3  # every token after a request's first is one decode row
+    # 40-token prompts in 64-token steps: some prefills share a step with decodes, some are chunked
+    assert {"decode", "mixed"} <= set(summary["steps"])
+    assert sum(k["steps"] for k in summary["steps"].values()) == len(steps)
+    assert abs(sum(k["seconds"] for k in summary["steps"].values()) - summary["step_seconds"]) < 1e-6
+    assert summary["step_seconds"] <= summary["duration_s"] * 1.01
