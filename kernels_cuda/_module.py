@@ -49,6 +49,18 @@ def use_bf16(arr: cp.ndarray) -> int:
     return int(arr.dtype == np.uint16)
 
 
+PRODUCT_DTYPES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, np.dtype(np.uint16): 2}
+
+
+def prod_kind(arr: cp.ndarray, name: str) -> int:
+    """-DPROD of a kernel that reads a matrix product (common.cuh): 0 float32, 1 float16,
+    2 bfloat16 (uint16 bits)."""
+    kind = PRODUCT_DTYPES.get(arr.dtype)
+    if kind is None:
+        raise ValueError(f"{name}: expected float32, float16 or bfloat16 (uint16 bits), got {arr.dtype}")
+    return kind
+
+
 def check_scalar(arr: cp.ndarray, name: str) -> None:
     if arr.dtype not in SCALAR_DTYPES:
         raise ValueError(f"{name}: expected float16 or bfloat16 (uint16 bits), got {arr.dtype}")

@@ -5,22 +5,24 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
-from ._module import check, check_scalar, i32, launch, module, scale_args, use_bf16
+from ._module import check, check_scalar, i32, launch, module, prod_kind, scale_args, use_bf16
 
 
 def silu_mul(gate_up: cp.ndarray, out: cp.ndarray | None = None, out_dtype=np.float16,
              pdl: bool = False, scales: tuple | None = None) -> cp.ndarray:
-    """gate_up (T, 2 I) float32 -> out (T, I) 16-bit; scales: gate_up is a float8 product's
-    raw sums, (per token, per feature) scales (_module.scale_args)."""
+    """gate_up (T, 2 I) a matrix product (float32, float16 or bfloat16) -> out (T, I) 16-bit;
+    scales: gate_up is a float8 product's raw sums, (per token, per feature) scales
+    (_module.scale_args)."""
     if gate_up.ndim != 2 or gate_up.shape[1] % 2:
         raise ValueError(f"gate_up: expected (T, 2 * inter), got {gate_up.shape}")
-    check(gate_up, "gate_up", np.float32)
+    prod = prod_kind(gate_up, "gate_up")
+    check(gate_up, "gate_up", gate_up.dtype)
     T, inter = gate_up.shape[0], gate_up.shape[1] // 2
     if out is None:
         out = cp.empty((T, inter), out_dtype)
     check_scalar(out, "out")
     check(out, "out", out.dtype, (T, inter))
     if T:
-        launch(module("activation", USE_BF16=use_bf16(out)).get_function("silu_mul"),
+        launch(module("activation", USE_BF16=use_bf16(out), PROD=prod).get_function("silu_mul"),
                (T,), (min(1024, inter),), (gate_up, out, i32(inter), *scale_args(scales, T, 2 * inter)), pdl=pdl)
     return out

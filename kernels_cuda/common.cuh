@@ -196,11 +196,30 @@ __device__ __forceinline__ void fp8x16_to_scalar2x8(const uint4 &v, unsigned out
     }
 }
 
+// A matrix product's output, as the kernel after it reads it. -DPROD=0: float32 (the
+// skinny GEMM's); 1: float16, 2: bfloat16 (cuBLAS / cuBLASLt write 16 bits for steps of
+// many rows: half the bytes to write and read back; a float8 product's raw sums need
+// bfloat16's range).
+#ifndef PROD
+#define PROD 0
+#endif
+#if PROD == 1
+typedef __half prod_t;
+__device__ __forceinline__ float prod_to_float(prod_t v) { return __half2float(v); }
+#elif PROD == 2
+typedef __nv_bfloat16 prod_t;
+__device__ __forceinline__ float prod_to_float(prod_t v) { return __bfloat162float(v); }
+#else
+typedef float prod_t;
+__device__ __forceinline__ float prod_to_float(prod_t v) { return v; }
+#endif
+
 // --quantization fp8: cuBLASLt's float8 product leaves the raw sums of the codes; whoever
 // reads them multiplies by the token's scale (rs, the row of x) and the feature's (cs, the
 // row of W). rs null: a 16-bit product, nothing to scale.
-__device__ __forceinline__ float dequant(float v, const float *rs, const float *cs, long long t, long long n) {
-    return rs != nullptr ? v * rs[t] * cs[n] : v;
+__device__ __forceinline__ float dequant(prod_t v, const float *rs, const float *cs, long long t, long long n) {
+    const float f = prod_to_float(v);
+    return rs != nullptr ? f * rs[t] * cs[n] : f;
 }
 
 // the KV cache's element. -DKV_FP8=1: float8 e4m3 (scale 1), else the 16-bit type.

@@ -1,6 +1,7 @@
-"""y = x @ W^T through cuBLAS (gemmEx: 16-bit operands, float32 output and accumulation),
-and its float8 form through cuBLASLt (--quantization fp8: e4m3 codes in, the float32 sums of
-their products out; the scales are applied by the kernel that reads them).
+"""y = x @ W^T through cuBLAS (gemmEx: 16-bit operands, float32 accumulation, float32 or
+16-bit output), and its float8 form through cuBLASLt (--quantization fp8: e4m3 codes in,
+the sums of their products out, in float32 or bfloat16; the scales are applied by the
+kernel that reads them).
 
 cuBLAS is called through ctypes on the library CuPy loaded: CuPy's own wrappers refuse
 to run during stream capture, which the decode graphs need (cuBLAS itself supports it).
@@ -52,8 +53,18 @@ def _cublas() -> ctypes.CDLL:
     return _lib
 
 
+_OUT_TYPES = {np.dtype(np.float32): CUDA_R_32F, np.dtype(np.float16): CUDA_R_16F, np.dtype(np.uint16): CUDA_R_16BF}
+
+
+def _out_type(out: cp.ndarray, allowed: tuple) -> int:
+    if out.dtype not in [np.dtype(d) for d in allowed]:
+        raise ValueError(f"out: expected one of {[np.dtype(d).name for d in allowed]}, got {out.dtype}")
+    return _OUT_TYPES[out.dtype]
+
+
 def gemm(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray | None = None) -> cp.ndarray:
-    """out (M, N) float32 = x (M, K) @ w (N, K)^T, on the current stream."""
+    """out (M, N) = x (M, K) @ w (N, K)^T, on the current stream, accumulated in float32;
+    out float32 or x's 16-bit type (default float32)."""
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"gemm: x {x.shape} and w {w.shape} do not chain")
     same_scalar(x, w, "x, w")
@@ -63,7 +74,8 @@ def gemm(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray | None = None) -> cp.ndar
     N = w.shape[0]
     if out is None:
         out = cp.empty((M, N), np.float32)
-    check(out, "out", np.float32, (M, N))
+    out_type = _out_type(out, (np.float32, x.dtype))
+    check(out, "out", out.dtype, (M, N))
     if M == 0:
         return out
     dtype = CUDA_R_16BF if w.dtype == np.uint16 else CUDA_R_16F
@@ -74,7 +86,7 @@ def gemm(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray | None = None) -> cp.ndar
         raise RuntimeError(f"cublasSetStream failed ({status})")
     # row-major out (M, N) is column-major out^T (N, M) = W (N, K) x^T (K, M)
     status = lib.cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, ctypes.byref(_ONE), w.data.ptr, dtype, K,
-                              x.data.ptr, dtype, K, ctypes.byref(_ZERO), out.data.ptr, CUDA_R_32F, N,
+                              x.data.ptr, dtype, K, ctypes.byref(_ZERO), out.data.ptr, out_type, N,
                               CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
     if status:
         raise RuntimeError(f"cublasGemmEx failed ({status}) for ({M}x{K}) @ ({N}x{K})^T")
@@ -120,8 +132,8 @@ class _Lt:
         self.handle = v()
         self._ok(lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
         self.workspace = cp.empty(LT_WORKSPACE_BYTES, np.uint8)
-        self.plans: dict[tuple[int, int, int, bool], tuple] = {}
-        self.algos: dict[tuple[int, int, int, bool], _HeuristicResult] = {}
+        self.plans: dict[tuple[int, int, int, int, bool], tuple] = {}
+        self.algos: dict[tuple[int, int, int, int, bool], _HeuristicResult] = {}
 
     @staticmethod
     def _ok(status: int, what: str) -> None:
@@ -132,29 +144,30 @@ class _Lt:
         self._ok(self.lib.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(value), ctypes.sizeof(value)),
                  f"cublasLtMatmulDescSetAttribute({attr})")
 
-    def plan(self, M: int, N: int, K: int) -> tuple:
-        """(descriptor, layouts, algorithm) of an (M, K) x (N, K)^T product. The algorithm
-        comes from cuBLASLt's heuristic once per power-of-two bucket of M (a serving step's
-        token count changes from step to step, and a heuristic query costs ~ms)."""
-        key = (M, N, K, FAST_ACCUM)
+    def plan(self, M: int, N: int, K: int, out_type: int) -> tuple:
+        """(descriptor, layouts, algorithm) of an (M, K) x (N, K)^T product into out_type. The
+        algorithm comes from cuBLASLt's heuristic once per power-of-two bucket of M (a
+        serving step's token count changes from step to step, and a heuristic query costs ~ms)."""
+        key = (M, N, K, out_type, FAST_ACCUM)
         plan = self.plans.get(key)
         if plan is None:
-            desc, a, b, c = self._descriptors(M, N, K)
-            bucket = (max(16, 1 << (M - 1).bit_length()), N, K, FAST_ACCUM)
+            desc, a, b, c = self._descriptors(M, N, K, out_type)
+            bucket = (max(16, 1 << (M - 1).bit_length()), N, K, out_type, FAST_ACCUM)
             algo = self.algos.get(bucket)
             if algo is None:
                 algo = self.algos[bucket] = self._heuristic(desc, a, b, c, M, N, K)
             plan = self.plans[key] = (desc, a, b, c, algo)
         return plan
 
-    def exact(self, M: int, N: int, K: int) -> tuple:
+    def exact(self, M: int, N: int, K: int, out_type: int) -> tuple:
         """The plan with the heuristic's algorithm for exactly M rows (when a bucket's
         algorithm does not run on M)."""
-        desc, a, b, c, _ = self.plans[(M, N, K, FAST_ACCUM)]
-        plan = self.plans[(M, N, K, FAST_ACCUM)] = (desc, a, b, c, self._heuristic(desc, a, b, c, M, N, K))
+        key = (M, N, K, out_type, FAST_ACCUM)
+        desc, a, b, c, _ = self.plans[key]
+        plan = self.plans[key] = (desc, a, b, c, self._heuristic(desc, a, b, c, M, N, K))
         return plan
 
-    def _descriptors(self, M: int, N: int, K: int) -> tuple:
+    def _descriptors(self, M: int, N: int, K: int, out_type: int) -> tuple:
         lib, v = self.lib, ctypes.c_void_p
         desc = v()
         self._ok(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), CUBLAS_COMPUTE_32F, CUDA_R_32F),
@@ -164,7 +177,7 @@ class _Lt:
         self._set(desc, _LT_TRANSB, ctypes.c_int(CUBLAS_OP_N))
         self._set(desc, _LT_FAST_ACCUM, ctypes.c_int8(int(FAST_ACCUM)))
         layouts = []
-        for dtype, rows, cols in ((CUDA_R_8F_E4M3, K, N), (CUDA_R_8F_E4M3, K, M), (CUDA_R_32F, N, M)):
+        for dtype, rows, cols in ((CUDA_R_8F_E4M3, K, N), (CUDA_R_8F_E4M3, K, M), (out_type, N, M)):
             layout = v()
             self._ok(lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), dtype, rows, cols, rows),
                      "cublasLtMatrixLayoutCreate")
@@ -192,8 +205,10 @@ _ONE_LT, _ZERO_LT = ctypes.c_float(1.0), ctypes.c_float(0.0)
 
 
 def gemm_fp8(xq: cp.ndarray, w: Fp8Matrix, out: cp.ndarray) -> cp.ndarray:
-    """out (M, N) float32 = xq @ w.data^T over the values of the e4m3 codes (xq (M, K), e.g.
-    from quant.quantize_rows), on the current stream; K and N multiples of 16. The product
+    """out (M, N) = xq @ w.data^T over the values of the e4m3 codes (xq (M, K), e.g. from
+    quant.quantize_rows), on the current stream, accumulated in float32; out float32 or
+    bfloat16 (uint16 bits: the raw sums exceed float16's range, and the e4m3 inputs
+    carry 3 mantissa bits to bfloat16's 8); K and N multiples of 16. The product
     of the scaled matrices is out * x_scale[:, None] * w.scale[None, :]: the caller hands
     (x_scale, w.scale) to whichever kernel reads out (their `scales` argument)."""
     global _lt
@@ -206,13 +221,14 @@ def gemm_fp8(xq: cp.ndarray, w: Fp8Matrix, out: cp.ndarray) -> cp.ndarray:
     check(xq, "xq", np.uint8)
     check(w.data, "w.data", np.uint8)
     check(w.scale, "w.scale", np.float32, (N,))
-    check(out, "out", np.float32, (M, N))
+    out_type = _out_type(out, (np.float32, np.uint16))
+    check(out, "out", out.dtype, (M, N))
     if M == 0:
         return out
     if _lt is None:
         _lt = _Lt()
     for attempt in range(2):
-        desc, a, b, c, result = _lt.plan(M, N, K) if attempt == 0 else _lt.exact(M, N, K)
+        desc, a, b, c, result = _lt.plan(M, N, K, out_type) if attempt == 0 else _lt.exact(M, N, K, out_type)
         status = _lt.lib.cublasLtMatmul(_lt.handle, desc, ctypes.byref(_ONE_LT), w.data.data.ptr, a, xq.data.ptr, b,
                                         ctypes.byref(_ZERO_LT), out.data.ptr, c, out.data.ptr, c,
                                         ctypes.byref(result.algo), _lt.workspace.data.ptr, LT_WORKSPACE_BYTES,

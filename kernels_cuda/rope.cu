@@ -1,7 +1,7 @@
 // RoPE (HF's rotate-half layout; llama3 / linear scaling are in the cos/sin table)
-// fused with the KV-cache write. Reads the float32 QKV product of one layer, adds the
-// q/k/v bias if the model has one, rotates q and k, writes q (16-bit) for attention
-// and k, v into each token's KV slot. After a float8 product (--quantization fp8) the
+// fused with the KV-cache write. Reads the QKV product of one layer (-DPROD: float32 or 16
+// bits, common.cuh), adds the q/k/v bias if the model has one, rotates q and k, writes q
+// (16-bit) for attention and k, v into each token's KV slot. After a float8 product (--quantization fp8) the
 // sums are scaled first (rs, cs: common.cuh's dequant).
 //
 // -DHEAD_DIM (even), -DKV_FP8 (the cache's element, common.cuh). KV pool layout: (layers, slots, kv_heads, HEAD_DIM); a token's
@@ -14,7 +14,7 @@
 #define HALF (HEAD_DIM / 2)
 
 extern "C" __global__ void rope_kv_write(
-    const float *__restrict__ qkv,        // (T, (H + 2 KVH) * HEAD_DIM)
+    const prod_t *__restrict__ qkv,       // (T, (H + 2 KVH) * HEAD_DIM)
     const float *__restrict__ bias,        // ((H + 2 KVH) * HEAD_DIM) or null
     const int *__restrict__ positions,     // (T)
     const float *__restrict__ cos_table,   // (max_len, HALF)
@@ -27,7 +27,7 @@ extern "C" __global__ void rope_kv_write(
     PDL_ENTER();
     const long long t = blockIdx.x;
     const int width = (num_heads + 2 * num_kv_heads) * HEAD_DIM;
-    const float *row = qkv + t * width;
+    const prod_t *row = qkv + t * width;
     const int pos = positions[t];
     const float *c = cos_table + (long long)pos * HALF;
     const float *s = sin_table + (long long)pos * HALF;

@@ -5,7 +5,8 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
-from ._module import check, check_scalar, i32, i64, launch, module, ptr_or_null, scale_args, use_bf16
+from ._module import (check, check_scalar, i32, i64, launch, module, prod_kind, ptr_or_null, scale_args,
+                      use_bf16)
 
 
 def check_rope_args(T: int, width: int, positions: cp.ndarray, cos: cp.ndarray, sin: cp.ndarray,
@@ -34,17 +35,19 @@ def rope_kv_write(qkv: cp.ndarray, positions: cp.ndarray, cos: cp.ndarray, sin: 
     k_ptrs / v_ptrs (T,) int64: element addresses of each token's K / V region (layer 0);
     the token at position p of layer l lands at ptr + layer_offset + p * kv_heads * head_dim.
     kv_fp8: the cache holds float8 e4m3 (rounded to nearest, saturating) instead of q_out's type.
+    qkv: the product in float32, float16 or bfloat16 (uint16 bits; _module.prod_kind).
     scales: qkv is a float8 product's raw sums; (per token, per feature) scales (_module.scale_args).
     """
     if qkv.ndim != 2:
         raise ValueError(f"qkv: expected (T, width), got {qkv.shape}")
     T = qkv.shape[0]
     width = (num_heads + 2 * num_kv_heads) * head_dim
-    check(qkv, "qkv", np.float32, (T, width))
+    prod = prod_kind(qkv, "qkv")
+    check(qkv, "qkv", qkv.dtype, (T, width))
     check_rope_args(T, width, positions, cos, sin, k_ptrs, v_ptrs, q_out, num_heads, head_dim, bias)
     if T:
-        launch(module("rope", USE_BF16=use_bf16(q_out), HEAD_DIM=head_dim, KV_FP8=int(kv_fp8)).get_function(
-                   "rope_kv_write"),
+        launch(module("rope", USE_BF16=use_bf16(q_out), HEAD_DIM=head_dim, KV_FP8=int(kv_fp8),
+                      PROD=prod).get_function("rope_kv_write"),
                (T,), (256,), (qkv, ptr_or_null(bias), positions, cos, sin, q_out, k_ptrs, v_ptrs, i64(layer_offset),
                               i32(num_heads), i32(num_kv_heads), *scale_args(scales, T, width)), pdl=pdl)
     return q_out

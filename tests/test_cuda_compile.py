@@ -22,7 +22,9 @@ FP8_ARCHS = ("-gencode", "arch=compute_90,code=sm_90")  # the e4m3 conversions n
 VARIANTS = {"flash_decode": [{"HEAD_DIM": 64, "GROUP": 3}, {"HEAD_DIM": 128, "GROUP": 4},
                              {"HEAD_DIM": 128, "GROUP": 4, "KV_FP8": 1}],
             "flash_prefill": [{"HEAD_DIM": 64}, {"HEAD_DIM": 128}, {"HEAD_DIM": 128, "KV_FP8": 1}],
-            "rope": [{"HEAD_DIM": 64}, {"HEAD_DIM": 128}, {"HEAD_DIM": 64, "KV_FP8": 1}],
+            "rope": [{"HEAD_DIM": 64}, {"HEAD_DIM": 128}, {"HEAD_DIM": 64, "KV_FP8": 1}, {"HEAD_DIM": 128, "PROD": 1},
+                     {"HEAD_DIM": 128, "PROD": 2, "KV_FP8": 1}],
+            "activation": [{}, {"PROD": 1}, {"PROD": 2}],  # PROD: the product's type (common.cuh)
             "gemv": [{}, {"HEAD_DIM": 64, "KV_FP8": 1}, {"DEPTH": 4}, {"W_FP8": 1}, {"W_FP8": 1, "DEPTH": 4}]}
 FP8_ONLY = {"quant"}  # families that are all e4m3
 

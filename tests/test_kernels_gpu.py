@@ -252,13 +252,21 @@ def test_gemv_rope_is_gemv_then_rope_kv_write(dtype, head_dim, B, kv8, wfp8):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gemm(dtype):
+@pytest.mark.parametrize("out16", [False, True], ids=["out32", "out16"])
+def test_gemm(dtype, out16):
     from kernels_cuda.gemm import gemm
     x = rng.standard_normal((37, 200)).astype(np.float32)
     w = rng.standard_normal((111, 200)).astype(np.float32)
-    out = gemm(to_dev(x, dtype), to_dev(w, dtype))
+    xd = to_dev(x, dtype)
+    out = gemm(xd, to_dev(w, dtype), cp.empty((37, 111), xd.dtype) if out16 else None)
     ref = rounded(x, dtype).astype(np.float64) @ rounded(w, dtype).T.astype(np.float64)
-    np.testing.assert_allclose(cp.asnumpy(out), ref, rtol=1e-3, atol=1e-2)
+    if not out16:
+        np.testing.assert_allclose(cp.asnumpy(out), ref, rtol=1e-3, atol=1e-2)
+        return
+    # float32 sums rounded once to the 16-bit type
+    np.testing.assert_allclose(from_dev(out), rounded(ref.astype(np.float32), dtype), rtol=tol(dtype), atol=1e-2)
+    with pytest.raises(ValueError, match="out"):
+        gemm(xd, to_dev(w, dtype), cp.empty((37, 111), np.uint16 if dtype == "float16" else np.float16))
 
 
 def fp8_rows_ref(q: cp.ndarray, scale: cp.ndarray) -> np.ndarray:
@@ -324,41 +332,75 @@ def test_gemm_fp8(M):
     # Hopper's fp8 MMAs add with fewer bits than float32 between cuBLASLt's promotions (H200:
     # differences up to 2.5e-4 of the largest sum here)
     np.testing.assert_allclose(out, ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max())
+    # the same sums written in bfloat16 (what the runner asks for): rounded once
+    out16 = from_dev(gemm_fp8(xq, w, cp.zeros((M, N), np.uint16)))
+    np.testing.assert_allclose(out16, rounded(out, "bfloat16"), rtol=2 ** -7, atol=1e-3 * np.abs(ref).max())
     scaled = out * cp.asnumpy(xs)[:, None] * cp.asnumpy(w.scale)[None, :]
     exact = from_dev(x).astype(np.float64) @ fp8_rows_ref(w.data, w.scale).T
     assert rel(scaled, exact) < 0.05  # e4m3 keeps ~3 significant bits a value
+
+
+READER_SHAPE = dict(T=5, H=4, KVH=2, D=64, hidden=96, inter=48)
+
+
+def run_reader(kernel: str, x: cp.ndarray, scales) -> list:
+    """Run one of the kernels that read a matrix product (x) on fixed inputs otherwise; its outputs."""
+    T, H, KVH, D, hidden = (READER_SHAPE[k] for k in ("T", "H", "KVH", "D", "hidden"))
+    if kernel == "silu_mul":
+        from kernels_cuda.activation import silu_mul
+        return [silu_mul(x, scales=scales)]
+    if kernel == "add_rms_norm":
+        from kernels_cuda.rmsnorm import add_rms_norm
+        residual = cp.asarray(np.linspace(-1, 1, T * hidden, dtype=np.float32).reshape(T, hidden))
+        out = add_rms_norm(residual, x, cp.ones(hidden, np.float32), 1e-5, scales=scales)
+        return [residual, out]
+    from kernels_cuda.rope import rope_kv_write
+    ang = np.arange(16)[:, None] / 10000 ** (np.arange(0, D, 2) / D)[None]
+    cos, sin = cp.asarray(np.cos(ang).astype(np.float32)), cp.asarray(np.sin(ang).astype(np.float32))
+    kc, vc = cp.zeros((1, 16 * T, KVH, D), np.float16), cp.zeros((1, 16 * T, KVH, D), np.float16)
+    starts = cp.arange(T, dtype=cp.int64) * 16 * KVH * D * 2
+    q = cp.zeros((T, H, D), np.float16)
+    rope_kv_write(x, cp.arange(T, dtype=cp.int32), cos, sin, kc.data.ptr + starts, vc.data.ptr + starts, 0,
+                  H, KVH, D, q, scales=scales)
+    return [q, kc, vc]
+
+
+def reader_width(kernel: str) -> int:
+    H, KVH, D = READER_SHAPE["H"], READER_SHAPE["KVH"], READER_SHAPE["D"]
+    return {"silu_mul": 2 * READER_SHAPE["inter"], "rope_kv_write": (H + 2 * KVH) * D,
+            "add_rms_norm": READER_SHAPE["hidden"]}[kernel]
 
 
 @pytest.mark.parametrize("kernel", ["silu_mul", "rope_kv_write", "add_rms_norm"])
 def test_readers_scale_a_float8_product(kernel):
     """Given a float8 product's (per token, per feature) scales, the kernels that read its
     output give the bits they give on the output scaled beforehand ((v * rs) * cs)."""
-    T, H, KVH, D, hidden, inter = 5, 4, 2, 64, 96, 48
-    width = {"silu_mul": 2 * inter, "rope_kv_write": (H + 2 * KVH) * D, "add_rms_norm": hidden}[kernel]
+    T, width = READER_SHAPE["T"], reader_width(kernel)
     raw = cp.asarray(rng.standard_normal((T, width)).astype(np.float32) * 100)
     rs = cp.asarray(rng.uniform(0.001, 0.01, T).astype(np.float32))
     cs = cp.asarray(rng.uniform(0.001, 0.01, width).astype(np.float32))
     scaled = raw * rs[:, None] * cs[None, :]
+    for got, want in zip(run_reader(kernel, raw, (rs, cs)), run_reader(kernel, scaled, None)):
+        assert got.any()
+        np.testing.assert_array_equal(cp.asnumpy(got), cp.asnumpy(want))
 
-    def run(x, scales):
-        if kernel == "silu_mul":
-            from kernels_cuda.activation import silu_mul
-            return [silu_mul(x, scales=scales)]
-        if kernel == "add_rms_norm":
-            from kernels_cuda.rmsnorm import add_rms_norm
-            residual = cp.asarray(np.linspace(-1, 1, T * hidden, dtype=np.float32).reshape(T, hidden))
-            out = add_rms_norm(residual, x, cp.ones(hidden, np.float32), 1e-5, scales=scales)
-            return [residual, out]
-        from kernels_cuda.rope import rope_kv_write
-        ang = np.arange(16)[:, None] / 10000 ** (np.arange(0, D, 2) / D)[None]
-        cos, sin = cp.asarray(np.cos(ang).astype(np.float32)), cp.asarray(np.sin(ang).astype(np.float32))
-        kc, vc = cp.zeros((1, 16 * T, KVH, D), np.float16), cp.zeros((1, 16 * T, KVH, D), np.float16)
-        starts = cp.arange(T, dtype=cp.int64) * 16 * KVH * D * 2
-        q = cp.zeros((T, H, D), np.float16)
-        rope_kv_write(x, cp.arange(T, dtype=cp.int32), cos, sin, kc.data.ptr + starts, vc.data.ptr + starts, 0,
-                      H, KVH, D, q, scales=scales)
-        return [q, kc, vc]
 
-    for got, want in zip(run(raw, (rs, cs)), run(scaled, None)):
+@pytest.mark.parametrize("kernel", ["silu_mul", "rope_kv_write"])
+@pytest.mark.parametrize("prod", DTYPES)
+@pytest.mark.parametrize("fp8", [False, True], ids=["16bit", "fp8sums"])
+def test_readers_take_a_16_bit_product(kernel, prod, fp8):
+    """A product written in 16 bits (cuBLAS / cuBLASLt for steps of many rows) reads as the
+    float32 of the same values: the same bits out, scaled (float8 sums in bfloat16) or not."""
+    if fp8 and prod == "float16":
+        pytest.skip("float8 sums are written in bfloat16")
+    T, width = READER_SHAPE["T"], reader_width(kernel)
+    values = rng.standard_normal((T, width)).astype(np.float32) * (3000 if fp8 else 3)
+    scales = None
+    if fp8:
+        scales = (cp.asarray(rng.uniform(0.001, 0.01, T).astype(np.float32)),
+                  cp.asarray(rng.uniform(0.001, 0.01, width).astype(np.float32)))
+    as16 = to_dev(values, prod)
+    as32 = cp.asarray(from_dev(as16))
+    for got, want in zip(run_reader(kernel, as16, scales), run_reader(kernel, as32, scales)):
         assert got.any()
         np.testing.assert_array_equal(cp.asnumpy(got), cp.asnumpy(want))

@@ -5,7 +5,8 @@
 #            FP8=1: the fp8 matrix products and decode graphs; GRAPHS=1: decode graph timings; SWEEP=1: those,
 #            the skinny-GEMM sweep, prefill attention alone and TTFT; PROFILE=1: per-kernel times (ncu)
 #   stage 2: assemble SmolLM2 from the stored and carried parts; runner, engine and server tests on the GPU
-#            and the SmolLM2 decode benchmark (TESTS=0 skips these); FULL_BENCH=1, LOAD=1: the benchmarks
+#            and the SmolLM2 decode benchmark (TESTS=0 skips these); FULL_BENCH=1, LOAD=1: the benchmarks;
+#            SERVE=1: only FULL_BENCH's serving part
 # Logs go to $OUT (the tool brings them back); a summary table is printed last.
 set -uo pipefail
 stage=${1:?stage 1 or 2}
@@ -88,6 +89,8 @@ else
         run prefill_8b_w8 timeout 200 python3 bench/prefill.py --model random:llama3-8b --quantization fp8 \
             --json "$OUT/prefill_8b_w8.json"
         run peer_hf timeout 400 python3 bench/peer_hf.py --shape llama3-8b --batch 1,32,128 --json "$OUT/peer_hf.json"
+    fi
+    if [ "${FULL_BENCH:-0}" = 1 ] || [ "${SERVE:-0}" = 1 ]; then  # serving: engine alone, then over HTTP
         for variant in 16 w8; do  # 16-bit weights and K/V; then --quantization fp8 --kv-cache-dtype fp8
             extra=(); sfx=""
             [ $variant = w8 ] && { extra=(--quantization fp8 --kv-cache-dtype fp8); sfx=_w8; }

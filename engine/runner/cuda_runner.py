@@ -141,11 +141,13 @@ class DecodeBuffers:
     inputs: StagedInputs  # input_ids, positions, kv_lens, k/v ptrs, sampling params (R,)
     embed_out: cp.ndarray  # (A, hidden) f32 -- the residual stream, updated in place
     norm_out: cp.ndarray  # (A, hidden) 16-bit
-    qkv_out: cp.ndarray  # (A, q + 2 kv) f32
+    # qkv_out, gate_up_out: the bytes of a product some kernel reads back, seen through
+    # `products` as float32 rows and as 16-bit rows (CudaRunner._product)
+    qkv_out: cp.ndarray  # (A, q + 2 kv)
     q_rot: cp.ndarray  # (A, heads, head_dim) 16-bit
     attn_out: cp.ndarray  # (A, heads, head_dim) 16-bit
     o_proj_out: cp.ndarray  # (A, hidden) f32
-    gate_up_out: cp.ndarray  # (A, 2 inter) f32
+    gate_up_out: cp.ndarray  # (A, 2 inter)
     mlp_act: cp.ndarray  # (A, inter) 16-bit
     down_out: cp.ndarray  # (A, hidden) f32
     final_norm_out: cp.ndarray  # (R, hidden) 16-bit
@@ -165,6 +167,7 @@ class DecodeBuffers:
     # e4m3 codes (flat, up to (A, widest K)) and a scale per row
     act_q: cp.ndarray | None = None
     act_scale: cp.ndarray | None = None
+    products: dict[str, tuple[cp.ndarray, cp.ndarray]] = dataclasses.field(default_factory=dict)
 
     def memory_bytes(self) -> int:
         owned = [self.final_norm_out, self.logits, self.sample_work, self.part_o, self.part_ml, self.sampled,
@@ -340,17 +343,27 @@ class CudaRunner:
             "banned_ids": (np.int32, (MAX_BANNED,)),
         }
         widest = max(cfg.hidden_size, cfg.q_size, cfg.intermediate_size)
+
+        def product(width: int) -> cp.ndarray:  # float32 rows of the skinny GEMM, or 16-bit rows
+            return cp.zeros(max(A * width * self.prod_dtype.itemsize, min(A, GEMV_MAX_ROWS) * width * 4), np.uint8)
+
+        def views(raw: cp.ndarray, width: int) -> tuple[cp.ndarray, cp.ndarray]:
+            return tuple(raw[:raw.size // (dt.itemsize * width) * dt.itemsize * width].view(dt).reshape(-1, width)
+                         for dt in (np.dtype(np.float32), self.prod_dtype))
+        qkv_width, gate_up_width = cfg.q_size + 2 * cfg.kv_size, 2 * cfg.intermediate_size
+        qkv_out, gate_up_out = product(qkv_width), product(gate_up_width)
         return DecodeBuffers(
+            products={"qkv": views(qkv_out, qkv_width), "gate_up": views(gate_up_out, gate_up_width)},
             act_q=cp.zeros(A * widest, np.uint8) if self.quant_fp8 else None,
             act_scale=cp.zeros(A, np.float32) if self.quant_fp8 else None,
             inputs=StagedInputs(R, fields),
             embed_out=cp.zeros((A, cfg.hidden_size), np.float32),
             norm_out=cp.zeros((A, cfg.hidden_size), s),
-            qkv_out=cp.zeros((A, cfg.q_size + 2 * cfg.kv_size), np.float32),
+            qkv_out=qkv_out,
             q_rot=cp.zeros((A, H, D), s),
             attn_out=cp.zeros((A, H, D), s),
             o_proj_out=cp.zeros((A, cfg.hidden_size), np.float32),
-            gate_up_out=cp.zeros((A, 2 * cfg.intermediate_size), np.float32),
+            gate_up_out=gate_up_out,
             mlp_act=cp.zeros((A, cfg.intermediate_size), s),
             down_out=cp.zeros((A, cfg.hidden_size), np.float32),
             final_norm_out=cp.zeros((R, cfg.hidden_size), s),
@@ -433,6 +446,20 @@ class CudaRunner:
             gemm(x, w, out)
         return None
 
+    @property
+    def prod_dtype(self) -> np.dtype:
+        """The type cuBLAS / cuBLASLt write the products that RoPE and SiLU read back in
+        steps of more than GEMV_MAX_ROWS rows: the model's 16-bit type, bfloat16 for the
+        raw sums of a float8 product (float16's range is too small for them)."""
+        return np.dtype(np.uint16) if self.quant_fp8 else np.dtype(self.scalar)
+
+    def _product(self, name: str, n: int) -> cp.ndarray:
+        """n rows of the product `name` ("qkv", "gate_up"): float32 from the skinny GEMM (up
+        to GEMV_MAX_ROWS rows), else 16 bits (prod_dtype): half the bytes written and read
+        back where the rows are many."""
+        f32, p16 = self.buffers.products[name]
+        return (f32 if n <= GEMV_MAX_ROWS else p16)[:n]
+
     def _fused(self, n: int) -> bool:
         """Steps of up to GEMV_MAX_ROWS rows run the skinny GEMM with RoPE + K/V write in the
         QKV product's epilogue and SiLU * up in the gate/up product's (same bits, 3 fewer
@@ -461,8 +488,9 @@ class CudaRunner:
                 gemv_rope(b.norm_out[:n], layer.qkv_proj, *rope_in, b.q_rot[:n], bias=layer.qkv_bias, pdl=self.pdl,
                           kv_fp8=self.kv_fp8)
             else:
-                scales = self._linear(b.norm_out[:n], layer.qkv_proj, b.qkv_out[:n])
-                rope_kv_write(b.qkv_out[:n], *rope_in, cfg.head_dim, b.q_rot[:n], bias=layer.qkv_bias, pdl=self.pdl,
+                qkv = self._product("qkv", n)
+                scales = self._linear(b.norm_out[:n], layer.qkv_proj, qkv)
+                rope_kv_write(qkv, *rope_in, cfg.head_dim, b.q_rot[:n], bias=layer.qkv_bias, pdl=self.pdl,
                               kv_fp8=self.kv_fp8, scales=scales)
             attention(offset)
             attn = b.attn_out[:n].reshape(n, cfg.q_size)
@@ -473,8 +501,9 @@ class CudaRunner:
             if fused:
                 gemv_silu(b.norm_out[:n], layer.gate_up_proj, b.mlp_act[:n], pdl=self.pdl)
             else:
-                scales = self._linear(b.norm_out[:n], layer.gate_up_proj, b.gate_up_out[:n])
-                silu_mul(b.gate_up_out[:n], out=b.mlp_act[:n], pdl=self.pdl, scales=scales)
+                gate_up = self._product("gate_up", n)
+                scales = self._linear(b.norm_out[:n], layer.gate_up_proj, gate_up)
+                silu_mul(gate_up, out=b.mlp_act[:n], pdl=self.pdl, scales=scales)
             down_scales = self._linear(b.mlp_act[:n], layer.down_proj, b.down_out[:n])
         return down_scales
 
