@@ -111,6 +111,20 @@ def scale_args(scales: tuple[cp.ndarray, cp.ndarray] | None, rows: int, cols: in
     return rs, cs
 
 
+def quant_out_args(quant: tuple[cp.ndarray, cp.ndarray] | None, rows: int, cols: int) -> tuple[int, tuple]:
+    """-DQUANT_OUT and the (q, q_scale) kernel arguments of a kernel whose 16-bit output
+    feeds a float8 product (common.cuh's quantize_out): quant = (codes (rows, cols) uint8,
+    a scale per row (rows,) float32) to write too, or None (0, two nulls)."""
+    if quant is None:
+        return 0, (np.uint64(0), np.uint64(0))
+    q, scale = quant
+    check(q, "quant codes", np.uint8, (rows, cols))
+    check(scale, "quant scales", np.float32, (rows,))
+    if cols % 8:
+        raise ValueError(f"quant: the row length ({cols}) must be a multiple of 8")
+    return 1, (q, scale)
+
+
 # ---------------------------------------------------------------------------- launching
 # Kernels go through CuPy's launch, or, with pdl=True, through cuLaunchKernelEx with the
 # programmatic stream-serialization attribute (Hopper's programmatic dependent launch:

@@ -196,6 +196,50 @@ __device__ __forceinline__ void fp8x16_to_scalar2x8(const uint4 &v, unsigned out
     }
 }
 
+// One row of 16-bit values (K a multiple of 8) -> e4m3 codes with one float32 scale, by a
+// whole block (scratch: 32 floats of shared memory): scale = max |x| / 448 (1 for a zero
+// row), q = x / scale, so the row uses e4m3's whole range. quant.cu's quantize_rows, and the
+// kernels whose output feeds a float8 product (-DQUANT_OUT: RMSNorm, SiLU * up).
+__device__ __forceinline__ void quantize_row(const scalar_t *__restrict__ x, unsigned char *__restrict__ q,
+                                             float *__restrict__ scale, int K, float *scratch) {
+    const vec8 *xr = reinterpret_cast<const vec8 *>(x);
+    uint2 *qr = reinterpret_cast<uint2 *>(q);
+    const int n8 = K / 8;
+    float m = 0.0f;
+    for (int i = threadIdx.x; i < n8; i += blockDim.x) {
+        float f[8];
+        vec8_to_float(xr[i], f);
+#pragma unroll
+        for (int j = 0; j < 8; j++) m = fmaxf(m, fabsf(f[j]));
+    }
+    m = block_max(m, scratch);
+    const float inv = m > 0.0f ? FP8_MAX / m : 1.0f;
+    if (threadIdx.x == 0) *scale = m > 0.0f ? m / FP8_MAX : 1.0f;
+    for (int i = threadIdx.x; i < n8; i += blockDim.x) {
+        float f[8];
+        vec8_to_float(xr[i], f);
+        unsigned w[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) w[j] = fp8x2_from_floats(f[2 * j] * inv, f[2 * j + 1] * inv);
+        qr[i] = make_uint2(w[0] | (w[1] << 16), w[2] | (w[3] << 16));
+    }
+}
+
+// -DQUANT_OUT=1: a kernel whose 16-bit output feeds a float8 product also writes it as e4m3
+// codes with a scale per row (quantize_row, after a __syncthreads: the block reads back
+// what its threads wrote), saving the product's own quantize_rows launch.
+#ifndef QUANT_OUT
+#define QUANT_OUT 0
+#endif
+__device__ __forceinline__ void quantize_out(const scalar_t *out_row, unsigned char *q, float *q_scale,
+                                             long long row, int K) {
+#if QUANT_OUT
+    __shared__ float scratch[32];
+    __syncthreads();
+    quantize_row(out_row, q + row * K, q_scale + row, K, scratch);
+#endif
+}
+
 // A matrix product's output, as the kernel after it reads it. -DPROD=0: float32 (the
 // skinny GEMM's); 1: float16, 2: bfloat16 (cuBLAS / cuBLASLt write 16 bits for steps of
 // many rows: half the bytes to write and read back; a float8 product's raw sums need

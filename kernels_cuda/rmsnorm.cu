@@ -59,12 +59,18 @@ __device__ __forceinline__ void norm_row(float *__restrict__ r, const float *__r
     for (int i = 4 * n4 + threadIdx.x; i < hidden; i += blockDim.x) out[i] = from_float(r[i] * inv * w[i]);
 }
 
+// -DQUANT_OUT=1 (both kernels): the normed row also as e4m3 codes q (rows, hidden) and a
+// scale per row (common.cuh's quantize_out), for the float8 product it feeds; else q and
+// q_scale are unused.
+
 // out = x / sqrt(mean(x^2) + eps) * w
 extern "C" __global__ void rms_norm(const float *__restrict__ x, const float *__restrict__ w,
-                                    scalar_t *__restrict__ out, int hidden, float eps) {
+                                    scalar_t *__restrict__ out, int hidden, float eps,
+                                    unsigned char *__restrict__ q, float *__restrict__ q_scale) {
     PDL_ENTER();
     const long long row = blockIdx.x;
     norm_row(const_cast<float *>(x) + row * hidden, nullptr, nullptr, w, out + row * hidden, hidden, eps);
+    quantize_out(out + row * hidden, q, q_scale, row, hidden);
 }
 
 // residual += delta (+ bias); out = rms_norm(residual) * w.  bias may be null; rs, cs: the
@@ -72,9 +78,11 @@ extern "C" __global__ void rms_norm(const float *__restrict__ x, const float *__
 extern "C" __global__ void add_rms_norm(float *__restrict__ residual, const float *__restrict__ delta,
                                         const float *__restrict__ bias, const float *__restrict__ w,
                                         scalar_t *__restrict__ out, int hidden, float eps,
-                                        const float *__restrict__ rs, const float *__restrict__ cs) {
+                                        const float *__restrict__ rs, const float *__restrict__ cs,
+                                        unsigned char *__restrict__ q, float *__restrict__ q_scale) {
     PDL_ENTER();
     const long long row = blockIdx.x;
     norm_row(residual + row * hidden, delta + row * hidden, bias, w, out + row * hidden, hidden, eps,
              rs != nullptr ? rs[row] : 1.0f, rs != nullptr ? cs : nullptr);
+    quantize_out(out + row * hidden, q, q_scale, row, hidden);
 }

@@ -5,7 +5,7 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
-from ._module import check, check_scalar, f32, i32, launch, module, ptr_or_null, scale_args, use_bf16
+from ._module import check, check_scalar, f32, i32, launch, module, ptr_or_null, quant_out_args, scale_args, use_bf16
 
 THREADS = 512
 
@@ -19,25 +19,29 @@ def _out(out, rows, hidden, dtype):
 
 
 def rms_norm(x: cp.ndarray, weight: cp.ndarray, eps: float, out: cp.ndarray | None = None,
-             out_dtype=np.float16, pdl: bool = False) -> cp.ndarray:
-    """out (rows, hidden) 16-bit = x / rms(x) * weight; x float32, weight float32."""
+             out_dtype=np.float16, pdl: bool = False, quant: tuple | None = None) -> cp.ndarray:
+    """out (rows, hidden) 16-bit = x / rms(x) * weight; x float32, weight float32. quant:
+    (codes, scales) to write out's rows as e4m3 into too (_module.quant_out_args)."""
     if x.ndim != 2:
         raise ValueError(f"x: expected (rows, hidden), got {x.shape}")
     rows, hidden = x.shape
     check(x, "x", np.float32)
     check(weight, "weight", np.float32, (hidden,))
     out = _out(out, rows, hidden, out_dtype)
+    quant_out, q_args = quant_out_args(quant, rows, hidden)
     if rows:
-        launch(module("rmsnorm", USE_BF16=use_bf16(out)).get_function("rms_norm"),
-               (rows,), (THREADS,), (x, weight, out, i32(hidden), f32(eps)), pdl=pdl)
+        launch(module("rmsnorm", USE_BF16=use_bf16(out), QUANT_OUT=quant_out).get_function("rms_norm"),
+               (rows,), (THREADS,), (x, weight, out, i32(hidden), f32(eps), *q_args), pdl=pdl)
     return out
 
 
 def add_rms_norm(residual: cp.ndarray, delta: cp.ndarray, weight: cp.ndarray, eps: float,
                  out: cp.ndarray | None = None, bias: cp.ndarray | None = None,
-                 out_dtype=np.float16, pdl: bool = False, scales: tuple | None = None) -> cp.ndarray:
+                 out_dtype=np.float16, pdl: bool = False, scales: tuple | None = None,
+                 quant: tuple | None = None) -> cp.ndarray:
     """residual += delta (+ bias), in place; out = rms_norm(residual) * weight. scales: delta
-    is a float8 product's raw sums; (per token, per feature) scales (_module.scale_args)."""
+    is a float8 product's raw sums; (per token, per feature) scales (_module.scale_args).
+    quant: (codes, scales) to write out's rows as e4m3 into too (_module.quant_out_args)."""
     if residual.ndim != 2:
         raise ValueError(f"residual: expected (rows, hidden), got {residual.shape}")
     rows, hidden = residual.shape
@@ -47,8 +51,9 @@ def add_rms_norm(residual: cp.ndarray, delta: cp.ndarray, weight: cp.ndarray, ep
     if bias is not None:
         check(bias, "bias", np.float32, (hidden,))
     out = _out(out, rows, hidden, out_dtype)
+    quant_out, q_args = quant_out_args(quant, rows, hidden)
     if rows:
-        launch(module("rmsnorm", USE_BF16=use_bf16(out)).get_function("add_rms_norm"),
+        launch(module("rmsnorm", USE_BF16=use_bf16(out), QUANT_OUT=quant_out).get_function("add_rms_norm"),
                (rows,), (THREADS,), (residual, delta, ptr_or_null(bias), weight, out, i32(hidden), f32(eps),
-                                     *scale_args(scales, rows, hidden)), pdl=pdl)
+                                     *scale_args(scales, rows, hidden), *q_args), pdl=pdl)
     return out

@@ -24,7 +24,8 @@ VARIANTS = {"flash_decode": [{"HEAD_DIM": 64, "GROUP": 3}, {"HEAD_DIM": 128, "GR
             "flash_prefill": [{"HEAD_DIM": 64}, {"HEAD_DIM": 128}, {"HEAD_DIM": 128, "KV_FP8": 1}],
             "rope": [{"HEAD_DIM": 64}, {"HEAD_DIM": 128}, {"HEAD_DIM": 64, "KV_FP8": 1}, {"HEAD_DIM": 128, "PROD": 1},
                      {"HEAD_DIM": 128, "PROD": 2, "KV_FP8": 1}],
-            "activation": [{}, {"PROD": 1}, {"PROD": 2}],  # PROD: the product's type (common.cuh)
+            "activation": [{}, {"PROD": 1}, {"PROD": 2}, {"PROD": 2, "QUANT_OUT": 1}],  # common.cuh
+            "rmsnorm": [{}, {"QUANT_OUT": 1}],
             "gemv": [{}, {"HEAD_DIM": 64, "KV_FP8": 1}, {"DEPTH": 4}, {"W_FP8": 1}, {"W_FP8": 1, "DEPTH": 4}]}
 FP8_ONLY = {"quant"}  # families that are all e4m3
 
@@ -42,7 +43,7 @@ def test_every_kernel_family_compiles(tmp_path):
         cu, defines = job
         flags = [f"-D{k}={v}" for k, v in defines.items()]
         out = tmp_path / f"{cu.stem}-{'-'.join(map(str, defines.values()))}.o"
-        fp8 = defines.get("KV_FP8") or defines.get("W_FP8") or cu.stem in FP8_ONLY
+        fp8 = defines.get("KV_FP8") or defines.get("W_FP8") or defines.get("QUANT_OUT") or cu.stem in FP8_ONLY
         archs = FP8_ARCHS if fp8 else ARCHS
         result = subprocess.run([NVCC, "-std=c++17", f"-I{KERNELS}", *flags, *archs, "-c", str(cu), "-o", str(out)],
                                 capture_output=True, text=True)

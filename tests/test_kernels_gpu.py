@@ -292,6 +292,42 @@ def test_quantize_rows(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kernel", ["rms_norm", "add_rms_norm", "silu_mul"])
+def test_producers_quantize_their_output_for_a_float8_product(dtype, kernel):
+    """With `quant`, RMSNorm and SiLU * up also write their 16-bit output as e4m3 codes and a
+    scale per row: the bits quantize_rows gives on that output, which stays as it was."""
+    from kernels_cuda.activation import silu_mul
+    from kernels_cuda.quant import quantize_rows
+    from kernels_cuda.rmsnorm import add_rms_norm, rms_norm
+    T, hidden, inter = 37, 1040, 528
+    scalar = np.uint16 if dtype == "bfloat16" else np.float16
+    width = inter if kernel == "silu_mul" else hidden
+    x = (rng.standard_normal((T, hidden)) * np.linspace(0.1, 30, T)[:, None]).astype(np.float32)
+    x[5] = 0  # a zero row: scale 1
+
+    def run(quant):
+        if kernel == "silu_mul":
+            gate_up = to_dev(rng.standard_normal((T, 2 * inter)).astype(np.float32) * 3, dtype)
+            gate_up[5] = 0
+            return silu_mul(gate_up, out_dtype=scalar, quant=quant)
+        w = cp.asarray(rng.uniform(0.5, 1.5, hidden).astype(np.float32))
+        if kernel == "rms_norm":
+            return rms_norm(cp.asarray(x), w, 1e-5, out_dtype=scalar, quant=quant)
+        return add_rms_norm(cp.asarray(x), cp.asarray(x * 0.5), w, 1e-5, out_dtype=scalar, quant=quant)
+
+    state = rng.bit_generator.state
+    plain = run(None)
+    rng.bit_generator.state = state  # the same inputs again
+    q, qs = cp.full((T, width), 0x55, np.uint8), cp.zeros(T, np.float32)
+    out = run((q, qs))
+    np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(plain))
+    ref_q, ref_s = quantize_rows(out)
+    np.testing.assert_array_equal(cp.asnumpy(q), cp.asnumpy(ref_q))
+    np.testing.assert_array_equal(cp.asnumpy(qs), cp.asnumpy(ref_s))
+    assert float(qs[5]) == 1.0 and not (cp.asnumpy(q[5]) & 0x7F).any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B", [1, 3, 8, 9, 16])
 @pytest.mark.parametrize("K", [272, 4096])
 def test_gemv_fp8_weights(dtype, B, K):

@@ -429,17 +429,20 @@ class CudaRunner:
 
     # ------------------------------------------------------------------ the model
 
-    def _linear(self, x: cp.ndarray, w, out: cp.ndarray, pdl: bool | None = None) -> tuple | None:
+    def _linear(self, x: cp.ndarray, w, out: cp.ndarray, pdl: bool | None = None,
+                xq: tuple | None = None) -> tuple | None:
         """out = x @ w^T: the skinny GEMM up to GEMV_MAX_ROWS rows (16-bit or fp8 weights),
-        else cuBLAS. fp8 weights there take x quantized per row and leave out unscaled
-        (cuBLASLt's fp8 product): returns the (per token, per feature) scales for the kernel
-        that reads out (its `scales` argument), else None."""
+        else cuBLAS. fp8 weights there take x quantized per row (xq: (codes, scales) its
+        producer wrote, see _quant_in; else quantized here) and leave out unscaled (cuBLASLt's
+        fp8 product): returns the (per token, per feature) scales for the kernel that reads
+        out (its `scales` argument), else None."""
         n = x.shape[0]
         if n <= GEMV_MAX_ROWS:
             gemv(x, w, out, pdl=self.pdl if pdl is None else pdl)
         elif isinstance(w, Fp8Matrix):
             b = self.buffers
-            xq, x_scale = quantize_rows(x, b.act_q[:x.size].reshape(x.shape), b.act_scale[:n], pdl=self.pdl)
+            xq, x_scale = xq if xq is not None else quantize_rows(x, b.act_q[:x.size].reshape(x.shape),
+                                                                  b.act_scale[:n], pdl=self.pdl)
             gemm_fp8(xq, w, out)
             return x_scale, w.scale
         else:
@@ -460,6 +463,16 @@ class CudaRunner:
         f32, p16 = self.buffers.products[name]
         return (f32 if n <= GEMV_MAX_ROWS else p16)[:n]
 
+    def _quant_in(self, n: int, width: int) -> tuple | None:
+        """Steps whose products run on float8 codes (--quantization fp8, more than
+        GEMV_MAX_ROWS rows): the (codes, scales) buffers that RMSNorm and SiLU * up fill
+        along with their 16-bit output (their `quant`), so the product after them needs no
+        quantize_rows of its own; else None."""
+        if not self.quant_fp8 or n <= GEMV_MAX_ROWS:
+            return None
+        b = self.buffers
+        return b.act_q[:n * width].reshape(n, width), b.act_scale[:n]
+
     def _fused(self, n: int) -> bool:
         """Steps of up to GEMV_MAX_ROWS rows run the skinny GEMM with RoPE + K/V write in the
         QKV product's epilogue and SiLU * up in the gate/up product's (same bits, 3 fewer
@@ -476,12 +489,14 @@ class CudaRunner:
         fused = self._fused(n)
         positions, k_ptrs, v_ptrs = rope
         down_scales = None
+        normed_q, act_q = self._quant_in(n, cfg.hidden_size), self._quant_in(n, cfg.intermediate_size)
         for i, layer in enumerate(w.layers):
             if i == 0:
-                rms_norm(b.embed_out[:n], layer.input_layernorm, eps, out=b.norm_out[:n], pdl=self.pdl)
+                rms_norm(b.embed_out[:n], layer.input_layernorm, eps, out=b.norm_out[:n], pdl=self.pdl,
+                         quant=normed_q)
             else:
                 add_rms_norm(b.embed_out[:n], b.down_out[:n], layer.input_layernorm, eps, out=b.norm_out[:n],
-                             pdl=self.pdl, scales=down_scales)
+                             pdl=self.pdl, scales=down_scales, quant=normed_q)
             offset = i * self._layer_elems
             rope_in = (positions, self.rope_cos, self.rope_sin, k_ptrs, v_ptrs, offset, cfg.num_heads, cfg.num_kv_heads)
             if fused:
@@ -489,7 +504,7 @@ class CudaRunner:
                           kv_fp8=self.kv_fp8)
             else:
                 qkv = self._product("qkv", n)
-                scales = self._linear(b.norm_out[:n], layer.qkv_proj, qkv)
+                scales = self._linear(b.norm_out[:n], layer.qkv_proj, qkv, xq=normed_q)
                 rope_kv_write(qkv, *rope_in, cfg.head_dim, b.q_rot[:n], bias=layer.qkv_bias, pdl=self.pdl,
                               kv_fp8=self.kv_fp8, scales=scales)
             attention(offset)
@@ -497,14 +512,14 @@ class CudaRunner:
             scales = self._linear(attn, layer.o_proj, b.o_proj_out[:n],
                                   pdl=self.pdl and attn.nbytes <= O_PROJ_PDL_MAX_INPUT)
             add_rms_norm(b.embed_out[:n], b.o_proj_out[:n], layer.post_attention_layernorm, eps,
-                         out=b.norm_out[:n], bias=layer.o_bias, pdl=self.pdl, scales=scales)
+                         out=b.norm_out[:n], bias=layer.o_bias, pdl=self.pdl, scales=scales, quant=normed_q)
             if fused:
                 gemv_silu(b.norm_out[:n], layer.gate_up_proj, b.mlp_act[:n], pdl=self.pdl)
             else:
                 gate_up = self._product("gate_up", n)
-                scales = self._linear(b.norm_out[:n], layer.gate_up_proj, gate_up)
-                silu_mul(gate_up, out=b.mlp_act[:n], pdl=self.pdl, scales=scales)
-            down_scales = self._linear(b.mlp_act[:n], layer.down_proj, b.down_out[:n])
+                scales = self._linear(b.norm_out[:n], layer.gate_up_proj, gate_up, xq=normed_q)
+                silu_mul(gate_up, out=b.mlp_act[:n], pdl=self.pdl, scales=scales, quant=act_q)
+            down_scales = self._linear(b.mlp_act[:n], layer.down_proj, b.down_out[:n], xq=act_q)
         return down_scales
 
     def _decode_attention(self, n: int, q: cp.ndarray, k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, kv_lens: cp.ndarray,
