@@ -185,6 +185,35 @@ def test_graph_replay_equals_eager_bit_for_bit(smollm2):
         np.testing.assert_array_equal(cp.asnumpy(graphed.buffers.logits[:5]), cp.asnumpy(eager.buffers.logits[:5]))
 
 
+def test_only_the_captured_graphs_launch_with_pdl(smollm2, monkeypatch):
+    """Programmatic dependent launch goes through cuLaunchKernelEx (ctypes, ~22 us of host
+    time a kernel, against ~5 through CuPy): the decode graphs are captured with it, and a
+    replay costs no host time; eager steps (prefill, mixed, decode without a graph) launch
+    without it."""
+    from kernels_cuda import _module
+    driver = _module._cuda_driver()
+
+    class Counting:
+        launches = 0
+
+        def cuLaunchKernelEx(self, *args):
+            Counting.launches += 1
+            return driver.cuLaunchKernelEx(*args)
+
+    monkeypatch.setattr(_module, "_cuda_driver", Counting)
+    for eager in (False, True):
+        Counting.launches = 0
+        runner = cuda_runner(smollm2, max_num_seqs=8, eager=eager)
+        assert (Counting.launches > 0) == (runner.pdl and not eager)  # while capturing
+        Counting.launches = 0
+        runner.execute(SchedulerOutput([ScheduledSeq(i, list(range(5, 40)), 0, i * 64, True,
+                                                     SamplingParams(temperature=0)) for i in range(3)]))
+        for step in range(2):
+            runner.execute(_decode_rows(runner, 3, step))
+        assert Counting.launches == 0
+        assert not runner._launch_pdl
+
+
 @pytest.fixture(scope="module")
 def gpu_engine(smollm2, smollm2_path):
     config = EngineConfig(model=smollm2_path, device="cuda", cache=CacheConfig(kv_cache_bytes=2 << 30),
