@@ -172,7 +172,8 @@ def run(args) -> dict:
         import concurrent.futures
         import multiprocessing
         args.start_at = time.time() + 10.0  # after every process has started and warmed up
-        with concurrent.futures.ProcessPoolExecutor(args.processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+        spawn = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(args.processes, mp_context=spawn) as pool:
             parts = list(pool.map(_run_part, [args] * args.processes, range(args.processes)))
     results = [r for part in parts for r in part[1]]
     return summarize(args, parts[0][0], results, max(p[3] for p in parts) - min(p[2] for p in parts))

@@ -503,8 +503,8 @@ class CudaRunner:
             offset = i * self._layer_elems
             rope_in = (positions, self.rope_cos, self.rope_sin, k_ptrs, v_ptrs, offset, cfg.num_heads, cfg.num_kv_heads)
             if fused:
-                gemv_rope(b.norm_out[:n], layer.qkv_proj, *rope_in, b.q_rot[:n], bias=layer.qkv_bias, pdl=self._launch_pdl,
-                          kv_fp8=self.kv_fp8)
+                gemv_rope(b.norm_out[:n], layer.qkv_proj, *rope_in, b.q_rot[:n], bias=layer.qkv_bias,
+                          pdl=self._launch_pdl, kv_fp8=self.kv_fp8)
             else:
                 qkv = self._product("qkv", n)
                 scales = self._linear(b.norm_out[:n], layer.qkv_proj, qkv, xq=normed_q)
@@ -539,7 +539,8 @@ class CudaRunner:
 
     def _sample(self, n: int) -> None:
         b, d = self.buffers, self.buffers.inputs.dev
-        sample_tokens(b.logits, b.sample_work, d, b.pen_counts, b.pen_prompt_mask, b.sampled, rows=n, pdl=self._launch_pdl)
+        sample_tokens(b.logits, b.sample_work, d, b.pen_counts, b.pen_prompt_mask, b.sampled, rows=n,
+                      pdl=self._launch_pdl)
         token_logprobs(b.logits, d["lp_n"], b.sampled, b.lp_value, b.lp_rank, b.lp_top_ids, b.lp_top_values, rows=n,
                        pdl=self._launch_pdl)
 
