@@ -30,6 +30,7 @@ def gemm_rate(n: int = 8192, repeats: int = 10, fp8: bool = False) -> float:
     per-row scales (--quantization fp8's, the quantization of x not included)."""
     import cupy as cp
 
+    from bench.kernels import time_gpu
     from kernels_cuda.gemm import gemm, gemm_fp8
     from kernels_cuda.quant import quantize_matrix, quantize_rows
     a = cp.random.standard_normal((n, n), dtype=cp.float32).astype(cp.float16)
@@ -44,16 +45,7 @@ def gemm_rate(n: int = 8192, repeats: int = 10, fp8: bool = False) -> float:
     else:
         def run():
             gemm(a, b, out)
-    run()
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    times = []
-    for _ in range(repeats):
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, end) * 1e-3)
-    return 2 * n ** 3 / statistics.median(times)
+    return 2 * n ** 3 / (time_gpu(run, iters=repeats, warmup=2) * 1e-3)
 
 
 def prefill_flops(cfg: ModelConfig, length: int) -> float:

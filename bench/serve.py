@@ -46,14 +46,26 @@ class Result:
     output_tokens: int = 0
     itl: list[float] = field(default_factory=list)
     error: str = ""
+    start: float = field(default_factory=time.perf_counter)
+    last: float | None = None  # when the latest chunk with tokens came
+
+    def chunk(self, now: float) -> None:
+        """A chunk with tokens came at `now`: the first sets TTFT, the others add an ITL."""
+        if self.last is None:
+            self.ttft = now - self.start
+        else:
+            self.itl.append(now - self.last)
+        self.last = now
+
+    def done(self) -> None:
+        self.e2e = time.perf_counter() - self.start
+        self.ok = self.output_tokens > 0
 
 
 async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], output_len: int) -> Result:
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     result = Result()
-    start = time.perf_counter()
-    last = None
     try:
         async with client.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -70,13 +82,8 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], 
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
                 if chunk.get("choices"):
-                    if last is None:
-                        result.ttft = now - start
-                    else:
-                        result.itl.append(now - last)
-                    last = now
-        result.e2e = time.perf_counter() - start
-        result.ok = result.output_tokens > 0
+                    result.chunk(now)
+        result.done()
     except httpx.HTTPError as exc:
         result.error = repr(exc)
     return result
@@ -95,21 +102,15 @@ async def engine_request(engine, prompt: list[int], output_len: int) -> Result:
     from engine import SamplingParams
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
     result = Result()
-    start = last = time.perf_counter()
     async for out in engine.generate(prompt, params):
         now = time.perf_counter()
         if out.error:
             result.error = out.error
             return result
         if any(c.token_ids for c in out.outputs):
-            if result.output_tokens == 0:
-                result.ttft = now - start
-            else:
-                result.itl.append(now - last)
-            last = now
+            result.chunk(now)
         result.output_tokens = out.num_generated_tokens
-    result.e2e = time.perf_counter() - start
-    result.ok = result.output_tokens > 0
+    result.done()
     return result
 
 
@@ -188,12 +189,12 @@ def step_summary(trace: list[tuple[int, int, float]]) -> dict:
     out = {}
     for kind, steps in kinds.items():
         if steps:
-            out[kind] = {"steps": len(steps), "seconds": sum(t[2] for t in steps),
-                         "share": sum(t[2] for t in steps) / total,
+            seconds = sum(t[2] for t in steps)
+            out[kind] = {"steps": len(steps), "seconds": seconds, "share": seconds / total,
                          "ms_p50": 1e3 * statistics.median(t[2] for t in steps),
                          "decode_rows_p50": statistics.median(t[0] for t in steps),
                          "prompt_tokens_p50": statistics.median(t[1] for t in steps),
-                         "prompt_tok_s": sum(t[1] for t in steps) / max(1e-9, sum(t[2] for t in steps))}
+                         "prompt_tok_s": sum(t[1] for t in steps) / max(1e-9, seconds)}
     return out
 
 
