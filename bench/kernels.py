@@ -231,16 +231,20 @@ def decode_table(shape_name: str, batches: list[int], context: int, pdl: bool | 
     return rows
 
 
-def profile_graph(shape_name: str, batch: int, context: int) -> None:
-    """Launch the decode graph of `batch` rows once between cudaProfilerStart/Stop, for
-    `ncu --profile-from-start off --graph-profiling node` (see ncu_summary)."""
+def profile_graph(shape_name: str, batch: int, context: int, kv_dtype: str = "auto",
+                  quantization: str | None = None, launches: int = 1) -> None:
+    """Launch the decode graph of `batch` rows `launches` times between cudaProfilerStart/Stop,
+    for `ncu --profile-from-start off --graph-profiling node` (see ncu_summary; one launch) or
+    `nsys profile --capture-range=cudaProfilerApi --cuda-graph-trace=node` (the kernels timed
+    inside the graph, overlaps included)."""
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.loader import load_model
     from engine.outputs import ScheduledSeq, SchedulerOutput
     from engine.request import SamplingParams
     from engine.runner.cuda_runner import CudaRunner, bucket_for
     model = load_model(f"random:{shape_name}", with_tokenizer=False)
-    config = EngineConfig(model=shape_name, device="cuda", cache=CacheConfig(kv_cache_bytes=8 << 30),
+    config = EngineConfig(model=shape_name, device="cuda", quantization=quantization,
+                          cache=CacheConfig(kv_cache_bytes=8 << 30, kv_cache_dtype=kv_dtype),
                           scheduler=SchedulerConfig(max_num_seqs=batch, max_model_len=context + 256,
                                                     max_num_batched_tokens=2048))
     runner = CudaRunner(config, model, progress=False)
@@ -249,7 +253,8 @@ def profile_graph(shape_name: str, batch: int, context: int) -> None:
                                     for i in range(batch)]))
     runner.stream.synchronize()
     cp.cuda.profiler.start()
-    runner.graphs[bucket_for(batch)].launch(runner.stream)
+    for _ in range(launches):
+        runner.graphs[bucket_for(batch)].launch(runner.stream)
     runner.stream.synchronize()
     cp.cuda.profiler.stop()
 
@@ -291,6 +296,7 @@ def main() -> None:
     ap.add_argument("--quantization", default=None, help="fp8: the decode graphs with e4m3 layer weights")
     ap.add_argument("--profile", action="store_true",
                     help="launch the first batch's decode graph once inside cudaProfilerStart/Stop (run under ncu)")
+    ap.add_argument("--launches", type=int, default=1, help="--profile: launch the graph this many times")
     ap.add_argument("--ncu-summary", default="", help="summarise an ncu --csv file of such a run and stop")
     args = ap.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
@@ -298,7 +304,7 @@ def main() -> None:
         print("\n".join(ncu_summary(args.ncu_summary)))
         return
     if args.profile:
-        profile_graph(args.shape, batches[0], args.context)
+        profile_graph(args.shape, batches[0], args.context, args.kv_cache_dtype, args.quantization, args.launches)
         return
     from engine.loader.random_model import SHAPES
     lines = [f"copy bandwidth: {copy_bandwidth():.0f} GB/s (read + write)"]

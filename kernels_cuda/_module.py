@@ -99,6 +99,12 @@ def ptr_or_null(arr: cp.ndarray | None):
     return arr if arr is not None else np.uint64(0)
 
 
+def threads_for(n: int, per_thread: int, most: int = 1024) -> int:
+    """Threads of a one-row-a-block kernel whose threads take `per_thread` values at a time:
+    one group each, in whole warps, at most `most`."""
+    return max(32, min(most, -(-n // (per_thread * 32)) * 32))
+
+
 def scale_args(scales: tuple[cp.ndarray, cp.ndarray] | None, rows: int, cols: int) -> tuple:
     """(rs, cs) kernel arguments for the raw sums of a float8 product (gemm.gemm_fp8):
     scales = (a scale per row (rows,), a scale per column (cols,)) float32, or None (two
@@ -113,7 +119,7 @@ def scale_args(scales: tuple[cp.ndarray, cp.ndarray] | None, rows: int, cols: in
 
 def quant_out_args(quant: tuple[cp.ndarray, cp.ndarray] | None, rows: int, cols: int) -> tuple[int, tuple]:
     """-DQUANT_OUT and the (q, q_scale) kernel arguments of a kernel whose 16-bit output
-    feeds a float8 product (common.cuh's quantize_out): quant = (codes (rows, cols) uint8,
+    feeds a float8 product (common.cuh's QUANT_OUT): quant = (codes (rows, cols) uint8,
     a scale per row (rows,) float32) to write too, or None (0, two nulls)."""
     if quant is None:
         return 0, (np.uint64(0), np.uint64(0))

@@ -1,10 +1,16 @@
 // SiLU(gate) * up over the fused gate/up product (steps the skinny GEMM does not fuse).
 #include "common.cuh"
 
+// 8-value groups of the row a thread keeps in registers (for the e4m3 copy); a row longer
+// than SILU_VEC * 8 * blockDim.x (or of a length not a multiple of 8) goes through the
+// plain loop for the rest.
+#define SILU_VEC 2
+
 // gate_up (T, 2 * inter) [gate | up] (-DPROD: float32 or 16 bits, common.cuh) -> out (T,
 // inter) 16-bit; rs, cs: the float8 product's scales (common.cuh's dequant), or null.
-// -DQUANT_OUT=1: out also as e4m3 codes q (T, inter) and a scale per row (common.cuh's
-// quantize_out), for the float8 product it feeds; else q and q_scale are unused.
+// -DQUANT_OUT=1: out also as e4m3 codes q (T, inter) and a scale per row (common.cuh), for
+// the float8 product it feeds; else q and q_scale are unused. One block per row; a thread
+// takes 8 values at a time (16- or 32-byte loads), all of its groups' loads at once.
 extern "C" __global__ void silu_mul(const prod_t *__restrict__ gate_up, scalar_t *__restrict__ out, int inter,
                                     const float *__restrict__ rs, const float *__restrict__ cs,
                                     unsigned char *__restrict__ q, float *__restrict__ q_scale) {
@@ -12,7 +18,44 @@ extern "C" __global__ void silu_mul(const prod_t *__restrict__ gate_up, scalar_t
     const long long t = blockIdx.x;
     const prod_t *g = gate_up + t * 2 * inter;
     const prod_t *u = g + inter;
-    for (int i = threadIdx.x; i < inter; i += blockDim.x)
-        out[t * inter + i] = from_float(silu_times(dequant(g[i], rs, cs, t, i), dequant(u[i], rs, cs, t, inter + i)));
-    quantize_out(out + t * inter, q, q_scale, t, inter);
+    scalar_t *o = out + t * inter;
+    const int n8 = inter % 8 == 0 ? min(inter / 8, SILU_VEC * (int)blockDim.x) : 0;
+    float held[SILU_VEC][8];
+    float m = 0.0f;  // largest |output| of this thread (as rounded to 16 bits)
+#pragma unroll
+    for (int v = 0; v < SILU_VEC; v++) {
+        const int i = threadIdx.x + v * blockDim.x;
+        if (i >= n8) break;
+        float gf[8], uf[8];
+        load_prod<8>(g + 8 * i, gf);
+        load_prod<8>(u + 8 * i, uf);
+        dequant_n<8>(gf, rs, cs, t, 8 * i);
+        dequant_n<8>(uf, rs, cs, t, inter + 8 * i);
+        vec8 r;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            r.v[j] = from_float2(silu_times(gf[2 * j], uf[2 * j]), silu_times(gf[2 * j + 1], uf[2 * j + 1]));
+            const float2 back = to_float2(r.v[j]);
+            held[v][2 * j] = back.x, held[v][2 * j + 1] = back.y;
+            m = fmaxf(m, fmaxf(fabsf(back.x), fabsf(back.y)));
+        }
+        reinterpret_cast<vec8 *>(o)[i] = r;
+    }
+    for (int i = 8 * n8 + threadIdx.x; i < inter; i += blockDim.x) {
+        o[i] = from_float(silu_times(dequant(g[i], rs, cs, t, i), dequant(u[i], rs, cs, t, inter + i)));
+        m = fmaxf(m, fabsf(to_float(o[i])));
+    }
+#if QUANT_OUT
+    __shared__ float scratch[32];
+    const float inv = quant_inv(m, q_scale + t, scratch);
+    unsigned char *qr = q + t * inter;
+#pragma unroll
+    for (int v = 0; v < SILU_VEC; v++) {
+        const int i = threadIdx.x + v * blockDim.x;
+        if (i >= n8) break;
+        reinterpret_cast<uint2 *>(qr)[i] = fp8x8(held[v], inv);
+    }
+    for (int i = 8 * n8 + threadIdx.x; i < inter; i += blockDim.x)  // this thread's own writes above
+        qr[i] = fp8_from_float(to_float(o[i]) * inv);
+#endif
 }

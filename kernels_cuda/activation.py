@@ -5,7 +5,8 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
-from ._module import check, check_scalar, i32, launch, module, prod_kind, quant_out_args, scale_args, use_bf16
+from ._module import (check, check_scalar, i32, launch, module, prod_kind, quant_out_args, scale_args, threads_for,
+                      use_bf16)
 
 
 def silu_mul(gate_up: cp.ndarray, out: cp.ndarray | None = None, out_dtype=np.float16,
@@ -26,6 +27,6 @@ def silu_mul(gate_up: cp.ndarray, out: cp.ndarray | None = None, out_dtype=np.fl
     quant_out, q_args = quant_out_args(quant, T, inter)
     if T:
         launch(module("activation", USE_BF16=use_bf16(out), PROD=prod, QUANT_OUT=quant_out).get_function("silu_mul"),
-               (T,), (min(1024, inter),), (gate_up, out, i32(inter), *scale_args(scales, T, 2 * inter), *q_args),
+               (T,), (threads_for(inter, 8),), (gate_up, out, i32(inter), *scale_args(scales, T, 2 * inter), *q_args),
                pdl=pdl)
     return out

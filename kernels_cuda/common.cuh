@@ -196,10 +196,22 @@ __device__ __forceinline__ void fp8x16_to_scalar2x8(const uint4 &v, unsigned out
     }
 }
 
-// One row of 16-bit values (K a multiple of 8) -> e4m3 codes with one float32 scale, by a
-// whole block (scratch: 32 floats of shared memory): scale = max |x| / 448 (1 for a zero
-// row), q = x / scale, so the row uses e4m3's whole range. quant.cu's quantize_rows, and the
-// kernels whose output feeds a float8 product (-DQUANT_OUT: RMSNorm, SiLU * up).
+// A row quantized to e4m3 with one float32 scale: scale = max |x| / 448 (1 for a zero row),
+// q = x / scale, so the row uses e4m3's whole range. quant_inv: the block's max of its
+// threads' m (their largest |x|) -> writes the scale (thread 0), returns 448 / max (1 for a
+// zero row); scratch: 32 floats of shared memory. fp8x4 / fp8x8: the codes of 4 / 8 values.
+__device__ __forceinline__ float quant_inv(float m, float *scale, float *scratch) {
+    m = block_max(m, scratch);
+    if (threadIdx.x == 0) *scale = m > 0.0f ? m / FP8_MAX : 1.0f;
+    return m > 0.0f ? FP8_MAX / m : 1.0f;
+}
+__device__ __forceinline__ unsigned fp8x4(const float f[4], float inv) {
+    return fp8x2_from_floats(f[0] * inv, f[1] * inv) | ((unsigned)fp8x2_from_floats(f[2] * inv, f[3] * inv) << 16);
+}
+__device__ __forceinline__ uint2 fp8x8(const float f[8], float inv) { return make_uint2(fp8x4(f, inv), fp8x4(f + 4, inv)); }
+
+// One row of 16-bit values (K a multiple of 8) -> e4m3 codes and its scale, by a whole block:
+// quant.cu's quantize_rows (the weights at load, the activations before a float8 product).
 __device__ __forceinline__ void quantize_row(const scalar_t *__restrict__ x, unsigned char *__restrict__ q,
                                              float *__restrict__ scale, int K, float *scratch) {
     const vec8 *xr = reinterpret_cast<const vec8 *>(x);
@@ -212,33 +224,21 @@ __device__ __forceinline__ void quantize_row(const scalar_t *__restrict__ x, uns
 #pragma unroll
         for (int j = 0; j < 8; j++) m = fmaxf(m, fabsf(f[j]));
     }
-    m = block_max(m, scratch);
-    const float inv = m > 0.0f ? FP8_MAX / m : 1.0f;
-    if (threadIdx.x == 0) *scale = m > 0.0f ? m / FP8_MAX : 1.0f;
+    const float inv = quant_inv(m, scale, scratch);
     for (int i = threadIdx.x; i < n8; i += blockDim.x) {
         float f[8];
         vec8_to_float(xr[i], f);
-        unsigned w[4];
-#pragma unroll
-        for (int j = 0; j < 4; j++) w[j] = fp8x2_from_floats(f[2 * j] * inv, f[2 * j + 1] * inv);
-        qr[i] = make_uint2(w[0] | (w[1] << 16), w[2] | (w[3] << 16));
+        qr[i] = fp8x8(f, inv);
     }
 }
 
-// -DQUANT_OUT=1: a kernel whose 16-bit output feeds a float8 product also writes it as e4m3
-// codes with a scale per row (quantize_row, after a __syncthreads: the block reads back
-// what its threads wrote), saving the product's own quantize_rows launch.
+// -DQUANT_OUT=1: a kernel whose 16-bit output feeds a float8 product (RMSNorm, SiLU * up)
+// also writes it as e4m3 codes with a scale per row, the bits quantize_row gives on that
+// output, saving the product's own quantize_rows launch. Such kernels keep their share of
+// the row in registers (rounded to 16 bits, as quantize_row reads it) and quantize from there.
 #ifndef QUANT_OUT
 #define QUANT_OUT 0
 #endif
-__device__ __forceinline__ void quantize_out(const scalar_t *out_row, unsigned char *q, float *q_scale,
-                                             long long row, int K) {
-#if QUANT_OUT
-    __shared__ float scratch[32];
-    __syncthreads();
-    quantize_row(out_row, q + row * K, q_scale + row, K, scratch);
-#endif
-}
 
 // A matrix product's output, as the kernel after it reads it. -DPROD=0: float32 (the
 // skinny GEMM's); 1: float16, 2: bfloat16 (cuBLAS / cuBLASLt write 16 bits for steps of
@@ -258,12 +258,58 @@ typedef float prod_t;
 __device__ __forceinline__ float prod_to_float(prod_t v) { return v; }
 #endif
 
+// N (1, 4 or 8) consecutive product values (one load: aligned to its size).
+template <int N>
+__device__ __forceinline__ void load_prod(const prod_t *p, float f[N]) {
+    static_assert(N == 1 || N == 4 || N == 8, "1, 4 or 8 values");
+    if constexpr (N == 1) {
+        f[0] = prod_to_float(p[0]);
+    } else if constexpr (PROD == 0) {
+#pragma unroll
+        for (int h = 0; h < N / 4; h++) {
+            const float4 v = reinterpret_cast<const float4 *>(p)[h];
+            f[4 * h] = v.x, f[4 * h + 1] = v.y, f[4 * h + 2] = v.z, f[4 * h + 3] = v.w;
+        }
+    } else {
+        unsigned w[N / 2];  // pairs of 16-bit values, lower element first
+        if constexpr (N == 8) {
+            const uint4 v = *reinterpret_cast<const uint4 *>(p);
+            w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+        } else {
+            const uint2 v = *reinterpret_cast<const uint2 *>(p);
+            w[0] = v.x, w[1] = v.y;
+        }
+#pragma unroll
+        for (int j = 0; j < N / 2; j++) {
+            f[2 * j] = prod_to_float(reinterpret_cast<const prod_t *>(&w[j])[0]);
+            f[2 * j + 1] = prod_to_float(reinterpret_cast<const prod_t *>(&w[j])[1]);
+        }
+    }
+}
+
 // --quantization fp8: cuBLASLt's float8 product leaves the raw sums of the codes; whoever
 // reads them multiplies by the token's scale (rs, the row of x) and the feature's (cs, the
 // row of W). rs null: a 16-bit product, nothing to scale.
 __device__ __forceinline__ float dequant(prod_t v, const float *rs, const float *cs, long long t, long long n) {
     const float f = prod_to_float(v);
     return rs != nullptr ? f * rs[t] * cs[n] : f;
+}
+
+// dequant of N (1 or a multiple of 4) consecutive values from feature n on (n a multiple of N)
+template <int N>
+__device__ __forceinline__ void dequant_n(float f[N], const float *rs, const float *cs, long long t, long long n) {
+    if (rs == nullptr) return;
+    const float r = rs[t];
+    if constexpr (N == 1) {
+        f[0] = f[0] * r * cs[n];
+        return;
+    }
+#pragma unroll
+    for (int h = 0; h < N / 4; h++) {
+        const float4 c = reinterpret_cast<const float4 *>(cs + n)[h];
+        f[4 * h] = f[4 * h] * r * c.x, f[4 * h + 1] = f[4 * h + 1] * r * c.y;
+        f[4 * h + 2] = f[4 * h + 2] * r * c.z, f[4 * h + 3] = f[4 * h + 3] * r * c.w;
+    }
 }
 
 // the KV cache's element. -DKV_FP8=1: float8 e4m3 (scale 1), else the 16-bit type.

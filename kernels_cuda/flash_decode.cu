@@ -1,8 +1,12 @@
 // Flash decoding (split-KV) for one query token per sequence, GQA-aware, on the tensor cores.
 //
-// flash_decode_chunk: grid (max_splits, kv_heads, B). Each block takes CHUNK keys of
-// one sequence for the GROUP query heads that share a KV head, and writes an
-// unnormalised partial output with its max and sum. The grid is static (graph-safe):
+// flash_decode_chunk: grid (max_splits, kv_heads, B). Each block takes one split of a
+// sequence's keys for the GROUP query heads that share a KV head, and writes an
+// unnormalised partial output with its max and sum. A row's keys are cut into splits of
+// CHUNK keys, or longer ones (multiples of KEYS) where max_splits of CHUNK do not cover
+// them: the grid fixes how many splits a row may have, its length how long they are, so
+// a step with many rows (whose blocks already fill the GPU) takes each row in one or two
+// long splits, and no context is too long for a grid. The grid is static (graph-safe):
 // lengths and pointers come from device arrays, and splits past a sequence's length
 // (or a padding row's length 0) exit at once.
 //
@@ -15,7 +19,7 @@
 // partials into the output: no separate reduce kernel. Maxima are in the log2 domain.
 //
 // -DHEAD_DIM (multiple of 16; of 32 with KV_FP8), -DGROUP (query heads per KV head, <= 16),
-// -DCHUNK (multiple of KEYS), -DKV_FP8 (e4m3 cache: the byte tiles stay as they arrive and
+// -DCHUNK (the shortest split, a multiple of KEYS), -DKV_FP8 (e4m3 cache: the byte tiles stay as they arrive and
 // each lane converts its own fragments, with keys and dims permuted inside a tile so that a
 // lane reads whole 32-bit words). Dynamic shared memory: flash_decode.smem_bytes(). KV pool layout:
 // (layers, slots, kv_heads, HEAD_DIM); row b's keys start at k_ptrs[b] + layer_offset.
@@ -74,10 +78,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_decode_chunk(
     const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
     const int kv_len = kv_lens[b];
     const int first = window_start(kv_len, window);
-    const int start = first + split * CHUNK;
-    const int end = min(kv_len, start + CHUNK);
+    const int span = kv_len - first;
+    const int chunk = max(CHUNK, (span + max_splits * KEYS - 1) / (max_splits * KEYS) * KEYS);
+    const int start = first + split * chunk;
+    const int end = min(kv_len, start + chunk);
     if (start >= end) return;  // past this row's keys (a padding row has none)
-    const int splits = min(max_splits, (kv_len - first + CHUNK - 1) / CHUNK);
+    const int splits = (span + chunk - 1) / chunk;  // <= max_splits
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, qd = lane & 3;
     const int h0 = kvh * GROUP;

@@ -29,7 +29,8 @@ def flash_decode(q: cp.ndarray, k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, kv_lens:
     """out (B, H, D) = softmax(q k^T * scale) v over each row's kv_lens[b] cached keys.
 
     part_o (B, H, S, D) float32 and part_ml (B, H, S, 2) float32 are the split partials;
-    S (the number of splits) fixes the grid: S * chunk must cover the longest context.
+    S fixes the grid: a row's keys go in at most S splits of `chunk` keys or more (longer
+    where S of `chunk` do not cover them, in multiples of KEYS).
     counters (B, num_kv_heads) int32 must be zero; the kernel leaves them zero.
     kv_fp8: the cache holds float8 e4m3 (one byte an element) instead of q's 16-bit type.
     """
@@ -51,8 +52,8 @@ def flash_decode(q: cp.ndarray, k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, kv_lens:
     check(part_ml, "part_ml", np.float32, (B, H, S, 2))
     for name, arr, dt in (("k_ptrs", k_ptrs, np.int64), ("v_ptrs", v_ptrs, np.int64), ("kv_lens", kv_lens, np.int32)):
         check(arr, name, dt, (B,))
-    if S > MAX_SPLITS:
-        raise ValueError(f"{S} splits of {chunk} keys: at most {MAX_SPLITS} (use a longer chunk)")
+    if not 1 <= S <= MAX_SPLITS:
+        raise ValueError(f"{S} splits: 1 to {MAX_SPLITS}")
     check(counters, "counters", np.int32, (B, num_kv_heads))
     check(out, "out", q.dtype, (B, H, D))
     mod = module("flash_decode", USE_BF16=use_bf16(q), HEAD_DIM=D, GROUP=H // num_kv_heads, CHUNK=chunk,

@@ -12,11 +12,13 @@
 
 // residual += delta (+ bias) when delta is not null; out = rms_norm(residual) * w. A delta
 // from a float8 product is scaled first: by rsv (the token's scale) and cs (per feature), when
-// cs is not null.
+// cs is not null. -DQUANT_OUT=1: out also as e4m3 codes q and its scale (common.cuh), from the
+// values in registers.
 __device__ __forceinline__ void norm_row(float *__restrict__ r, const float *__restrict__ d,
                                          const float *__restrict__ bias, const float *__restrict__ w,
-                                         scalar_t *__restrict__ out, int hidden, float eps, float rsv = 1.0f,
-                                         const float *__restrict__ cs = nullptr) {
+                                         scalar_t *__restrict__ out, int hidden, float eps, float rsv,
+                                         const float *__restrict__ cs, unsigned char *__restrict__ q,
+                                         float *__restrict__ q_scale) {
     __shared__ float scratch[32];
     const int n4 = hidden % 4 == 0 ? min(hidden / 4, NORM_VEC * (int)blockDim.x) : 0;
     float4 v[NORM_VEC];
@@ -47,21 +49,44 @@ __device__ __forceinline__ void norm_row(float *__restrict__ r, const float *__r
         ss += x * x;
     }
     const float inv = rsqrtf(block_sum(ss, scratch) / hidden + eps);
+    float m = 0.0f;  // largest |output| of this thread, as rounded to 16 bits
 #pragma unroll
     for (int u = 0; u < NORM_VEC; u++) {
         const int i = threadIdx.x + u * blockDim.x;
         if (i >= n4) break;
         const float4 g = reinterpret_cast<const float4 *>(w)[i];
         scalar2_t *o = reinterpret_cast<scalar2_t *>(out) + 2 * i;
-        o[0] = from_float2(v[u].x * inv * g.x, v[u].y * inv * g.y);
-        o[1] = from_float2(v[u].z * inv * g.z, v[u].w * inv * g.w);
+        const scalar2_t lo = from_float2(v[u].x * inv * g.x, v[u].y * inv * g.y);
+        const scalar2_t hi = from_float2(v[u].z * inv * g.z, v[u].w * inv * g.w);
+        o[0] = lo;
+        o[1] = hi;
+        if (QUANT_OUT) {
+            const float2 a = to_float2(lo), b = to_float2(hi);
+            v[u] = make_float4(a.x, a.y, b.x, b.y);
+            m = fmaxf(m, fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(b.x), fabsf(b.y))));
+        }
     }
-    for (int i = 4 * n4 + threadIdx.x; i < hidden; i += blockDim.x) out[i] = from_float(r[i] * inv * w[i]);
+    for (int i = 4 * n4 + threadIdx.x; i < hidden; i += blockDim.x) {
+        out[i] = from_float(r[i] * inv * w[i]);
+        m = fmaxf(m, fabsf(to_float(out[i])));
+    }
+#if QUANT_OUT
+    const float qinv = quant_inv(m, q_scale, scratch);
+#pragma unroll
+    for (int u = 0; u < NORM_VEC; u++) {
+        const int i = threadIdx.x + u * blockDim.x;
+        if (i >= n4) break;
+        const float f[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+        reinterpret_cast<unsigned *>(q)[i] = fp8x4(f, qinv);
+    }
+    for (int i = 4 * n4 + threadIdx.x; i < hidden; i += blockDim.x)  // this thread's own writes above
+        q[i] = fp8_from_float(to_float(out[i]) * qinv);
+#endif
 }
 
 // -DQUANT_OUT=1 (both kernels): the normed row also as e4m3 codes q (rows, hidden) and a
-// scale per row (common.cuh's quantize_out), for the float8 product it feeds; else q and
-// q_scale are unused.
+// scale per row (common.cuh), for the float8 product it feeds; else q and q_scale are unused
+// (null).
 
 // out = x / sqrt(mean(x^2) + eps) * w
 extern "C" __global__ void rms_norm(const float *__restrict__ x, const float *__restrict__ w,
@@ -69,8 +94,8 @@ extern "C" __global__ void rms_norm(const float *__restrict__ x, const float *__
                                     unsigned char *__restrict__ q, float *__restrict__ q_scale) {
     PDL_ENTER();
     const long long row = blockIdx.x;
-    norm_row(const_cast<float *>(x) + row * hidden, nullptr, nullptr, w, out + row * hidden, hidden, eps);
-    quantize_out(out + row * hidden, q, q_scale, row, hidden);
+    norm_row(const_cast<float *>(x) + row * hidden, nullptr, nullptr, w, out + row * hidden, hidden, eps, 1.0f,
+             nullptr, q + row * hidden, q_scale + row);
 }
 
 // residual += delta (+ bias); out = rms_norm(residual) * w.  bias may be null; rs, cs: the
@@ -83,6 +108,5 @@ extern "C" __global__ void add_rms_norm(float *__restrict__ residual, const floa
     PDL_ENTER();
     const long long row = blockIdx.x;
     norm_row(residual + row * hidden, delta + row * hidden, bias, w, out + row * hidden, hidden, eps,
-             rs != nullptr ? rs[row] : 1.0f, rs != nullptr ? cs : nullptr);
-    quantize_out(out + row * hidden, q, q_scale, row, hidden);
+             rs != nullptr ? rs[row] : 1.0f, rs != nullptr ? cs : nullptr, q + row * hidden, q_scale + row);
 }

@@ -23,7 +23,7 @@ VARIANTS = {"flash_decode": [{"HEAD_DIM": 64, "GROUP": 3}, {"HEAD_DIM": 128, "GR
                              {"HEAD_DIM": 128, "GROUP": 4, "KV_FP8": 1}],
             "flash_prefill": [{"HEAD_DIM": 64}, {"HEAD_DIM": 128}, {"HEAD_DIM": 128, "KV_FP8": 1}],
             "rope": [{"HEAD_DIM": 64}, {"HEAD_DIM": 128}, {"HEAD_DIM": 64, "KV_FP8": 1}, {"HEAD_DIM": 128, "PROD": 1},
-                     {"HEAD_DIM": 128, "PROD": 2, "KV_FP8": 1}],
+                     {"HEAD_DIM": 128, "PROD": 2, "KV_FP8": 1}, {"HEAD_DIM": 36, "PROD": 2, "KV_FP8": 1}],
             "activation": [{}, {"PROD": 1}, {"PROD": 2}, {"PROD": 2, "QUANT_OUT": 1}],  # common.cuh
             "rmsnorm": [{}, {"QUANT_OUT": 1}],
             "gemv": [{}, {"HEAD_DIM": 64, "KV_FP8": 1}, {"DEPTH": 4}, {"W_FP8": 1}, {"W_FP8": 1, "DEPTH": 4}]}

@@ -104,22 +104,32 @@ def test_rms_norm_and_fused_add(dtype, hidden):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul(dtype):
+@pytest.mark.parametrize("inter", [333, 528, 20000])  # plain loop; 8 values a thread; longer than registers hold
+@pytest.mark.parametrize("prod16", [False, True], ids=["prod32", "prod16"])
+def test_silu_mul(dtype, inter, prod16):
     from kernels_cuda.activation import silu_mul
-    gu = rng.standard_normal((5, 666)).astype(np.float32) * 4
-    g, u = gu[:, :333], gu[:, 333:]
-    out = silu_mul(cp.asarray(gu), out_dtype=np.uint16 if dtype == "bfloat16" else np.float16)
+    gu = rng.standard_normal((5, 2 * inter)).astype(np.float32) * 4
+    if prod16:  # a 16-bit product (cuBLAS's output for steps of many rows)
+        gu_dev, gu = to_dev(gu, dtype), rounded(gu, dtype)
+    else:
+        gu_dev = cp.asarray(gu)
+    g, u = gu[:, :inter], gu[:, inter:]
+    out = silu_mul(gu_dev, out_dtype=np.uint16 if dtype == "bfloat16" else np.float16)
     assert rel(from_dev(out), g / (1 + np.exp(-g)) * u) < tol(dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [36, 64, 128])  # 36: one pair a thread at a time, else four
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("kv8", [False, True], ids=["kv16", "kv8"])
-def test_rope_kv_write(dtype, head_dim, with_bias, kv8):
+@pytest.mark.parametrize("prod16", [False, True], ids=["prod32", "prod16"])
+def test_rope_kv_write(dtype, head_dim, with_bias, kv8, prod16):
     from kernels_cuda.rope import rope_kv_write
     T, H, KVH, layers = 9, 6, 2, 3
     qkv = rng.standard_normal((T, (H + 2 * KVH) * head_dim)).astype(np.float32)
+    qkv_dev = cp.asarray(qkv)
+    if prod16:
+        qkv_dev, qkv = to_dev(qkv, dtype), rounded(qkv, dtype)
     bias = rng.standard_normal(qkv.shape[1]).astype(np.float32) if with_bias else None
     pos = rng.integers(0, 20, T).astype(np.int32)
     starts = rng.permutation(T) * 24  # each token its own region: no two tokens share a slot
@@ -135,7 +145,7 @@ def test_rope_kv_write(dtype, head_dim, with_bias, kv8):
     kp = cp.asarray(k_cache.data.ptr + starts * slot_bytes, dtype=cp.int64)
     vp = cp.asarray(v_cache.data.ptr + starts * slot_bytes, dtype=cp.int64)
     q_out = cp.zeros((T, H, head_dim), scalar)
-    rope_kv_write(cp.asarray(qkv), cp.asarray(pos), cp.asarray(cos), cp.asarray(sin), kp, vp,
+    rope_kv_write(qkv_dev, cp.asarray(pos), cp.asarray(cos), cp.asarray(sin), kp, vp,
                   layer * slots * KVH * head_dim, H, KVH, head_dim, q_out,
                   bias=cp.asarray(bias) if with_bias else None, kv_fp8=kv8)
     x = qkv + (bias if with_bias else 0)
@@ -293,13 +303,14 @@ def test_quantize_rows(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kernel", ["rms_norm", "add_rms_norm", "silu_mul"])
-def test_producers_quantize_their_output_for_a_float8_product(dtype, kernel):
+@pytest.mark.parametrize("long", [False, True], ids=["held", "long"])  # long: rows past what registers hold
+def test_producers_quantize_their_output_for_a_float8_product(dtype, kernel, long):
     """With `quant`, RMSNorm and SiLU * up also write their 16-bit output as e4m3 codes and a
     scale per row: the bits quantize_rows gives on that output, which stays as it was."""
     from kernels_cuda.activation import silu_mul
     from kernels_cuda.quant import quantize_rows
     from kernels_cuda.rmsnorm import add_rms_norm, rms_norm
-    T, hidden, inter = 37, 1040, 528
+    T, hidden, inter = (37, 9000, 20000) if long else (37, 1040, 528)
     scalar = np.uint16 if dtype == "bfloat16" else np.float16
     width = inter if kernel == "silu_mul" else hidden
     x = (rng.standard_normal((T, hidden)) * np.linspace(0.1, 30, T)[:, None]).astype(np.float32)
@@ -440,3 +451,47 @@ def test_readers_take_a_16_bit_product(kernel, prod, fp8):
     for got, want in zip(run_reader(kernel, as16, scales), run_reader(kernel, as32, scales)):
         assert got.any()
         np.testing.assert_array_equal(cp.asnumpy(got), cp.asnumpy(want))
+
+
+@pytest.mark.parametrize("kv8", [False, True], ids=["kv16", "kv8"])
+@pytest.mark.parametrize("splits,chunk,window", [(6, 128, 0), (2, 128, 0), (1, 256, 0), (3, 128, 300)])
+def test_flash_decode(kv8, splits, chunk, window):
+    """Split-KV decode attention against softmax(q k^T * scale) v in float64: rows of various
+    lengths (0: a padding row) in `splits` splits of `chunk` keys, or longer ones where those do
+    not cover a row (2 splits for 1,000 keys: two of 512); `window`: sliding-window attention."""
+    from kernels_cuda.flash_decode import flash_decode
+    H, KVH, D, region = 8, 2, 64, 1024
+    lens = np.array([1, 70, 129, 0, 640, 1000], np.int32)
+    B = len(lens)
+    q = rng.standard_normal((B, H, D)).astype(np.float32)
+    kv = rng.standard_normal((2, B, region, KVH, D)).astype(np.float32)
+    if kv8:
+        codes = to_e4m3(kv)
+        kv, pool = E4M3[codes], cp.asarray(codes)
+    else:
+        kv = rounded(kv, "float16")
+        pool = cp.asarray(kv.astype(np.float16))
+    row_bytes = region * KVH * D * pool.itemsize
+    kp = cp.asarray(pool.data.ptr + np.arange(B) * row_bytes, dtype=cp.int64)
+    vp = kp + B * row_bytes
+    q_dev = cp.asarray(q.astype(np.float16))
+    part_o, part_ml = cp.zeros((B, H, splits, D), np.float32), cp.zeros((B, H, splits, 2), np.float32)
+    counters, out = cp.zeros((B, KVH), np.int32), cp.full((B, H, D), np.nan, np.float16)
+    scale = D ** -0.5
+    for _ in range(2):  # the counters are back to zero for the next launch
+        flash_decode(q_dev, kp, vp, cp.asarray(lens), 0, KVH, part_o, part_ml, counters, out, scale, chunk=chunk,
+                     window=window, kv_fp8=kv8)
+    assert not counters.any()
+    got = cp.asnumpy(out).astype(np.float64)
+    qr = rounded(q, "float16").astype(np.float64)
+    for b, n in enumerate(lens):
+        if n == 0:
+            continue
+        first = max(0, n - window) if window else 0
+        k, v = kv[0, b, first:n].astype(np.float64), kv[1, b, first:n].astype(np.float64)
+        for h in range(H):
+            s = k[:, h // (H // KVH)] @ qr[b, h] * scale
+            p = np.exp(s - s.max())
+            ref = p @ v[:, h // (H // KVH)] / p.sum()
+            # P and the output pass through 16 bits
+            np.testing.assert_allclose(got[b, h], ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
