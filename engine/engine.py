@@ -3,7 +3,9 @@
 `Engine.step()` runs one step on the caller's thread (the offline `LLM` does this);
 `Engine.start()` runs steps on a thread of their own for a server, which talks to it
 through the thread-safe `add_request` / `abort` and per-request async streams. The
-scheduler and runner are only ever touched by the thread that steps.
+scheduler and runner are only ever touched by the thread that steps. With a runner that
+runs steps asynchronously (`submit`: the CUDA runner), a step's outputs are detokenized
+and delivered while the next step runs on the device (see `_emit_deferred`).
 """
 
 from __future__ import annotations
@@ -180,6 +182,9 @@ class Engine:
         self.observer = EngineObserver()
         self._loop_sinks: dict[asyncio.AbstractEventLoop, LoopSink] = {}
         self._flush: set[LoopSink] = set()
+        # an asynchronous runner (`submit`): each step's outputs are emitted during the next step
+        self._overlap = callable(getattr(self.runner, "submit", None))
+        self._deferred: list[Sequence] = []
 
     # ------------------------------------------------------------------ api
 
@@ -279,7 +284,7 @@ class Engine:
             self._thread = None
 
     def has_work(self) -> bool:
-        return bool(self._inbox) or self.scheduler.has_work()
+        return bool(self._inbox) or bool(self._deferred) or self.scheduler.has_work()
 
     def _loop(self) -> None:
         try:
@@ -294,40 +299,71 @@ class Engine:
             log.exception("engine loop died")
             self.dead = exc
             self._fail_all(f"engine stopped: {exc!r}")
-            for sink in self._flush:
-                sink.flush()
+            self._flush_sinks()
 
     def step(self) -> list[RequestOutput]:
         """Run one step; returns (and delivers) the outputs it produced."""
         try:
             return self._step()
         finally:
-            for sink in self._flush:
-                sink.flush()
-            self._flush.clear()
+            self._flush_sinks()
+
+    def _flush_sinks(self) -> None:
+        """Wake the event loops that have outputs waiting."""
+        for sink in self._flush:
+            sink.flush()
+        self._flush.clear()
 
     def _step(self) -> list[RequestOutput]:
         outputs = self._drain_inbox()
         if not self.scheduler.has_work():
-            return outputs
+            return outputs + self._emit_deferred()
         started = time.perf_counter()
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
-            return outputs
+            return outputs + self._emit_deferred()
         try:
-            result = self.runner.execute(sched_out)
+            finish = self._submit(sched_out)
+            # the previous step's tokens are detokenized and delivered while this one runs
+            outputs += self._emit_deferred()
+            self._flush_sinks()
+            result = finish()
         except Exception:  # keep serving the others: find and fail only the requests at fault
             log.exception("runner failed on step %d; retrying its requests one by one", sched_out.step)
+            outputs += self._emit_deferred()
             self.stats.step_errors += 1
             result, failed = self._execute_isolated(sched_out)
             for request_id, exc in failed.items():
                 outputs.append(self._fail(request_id, f"internal error while generating: {exc!r}"))
         touched = self.scheduler.update(sched_out, result)
         self.stats.steps += 1
-        outputs += self._emit(touched)
+        if self._overlap and self.scheduler.has_work():
+            self._deferred = touched  # emitted once the next step is launched
+        else:
+            outputs += self._emit(touched)
         if self.on_step is not None:
             self.on_step(self, sched_out, time.perf_counter() - started)
         return outputs
+
+    def _submit(self, out: SchedulerOutput) -> Callable[[], RunnerOutput]:
+        """Start a step; the returned function waits for its output. A runner with `submit`
+        returns before its device finishes (the CUDA runner); others run the step here."""
+        if self._overlap:
+            return self.runner.submit(out)
+        result = self.runner.execute(out)
+        return lambda: result
+
+    def _emit_deferred(self) -> list[RequestOutput]:
+        """Emit the tokens of the last step, when that step left them for the next one.
+
+        With an asynchronous runner, a step's outputs (detokenization, stop strings, delivery)
+        are handled while the next step runs on the device, so the device does not wait for
+        the host's per-token work. The next step was scheduled before a stop string could be
+        seen: a sequence that stops on one has a token computed in that step which is dropped
+        (update skips finished sequences), and its KV slots, freed here, are taken again only
+        by a later schedule, after that step has finished."""
+        touched, self._deferred = self._deferred, []
+        return self._emit(touched) if touched else []
 
     # ------------------------------------------------------------ internals
 

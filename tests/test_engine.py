@@ -208,3 +208,106 @@ def test_a_failing_step_fails_only_its_requests(smollm2, smollm2_path):
     assert good_out[-1].finished and good_out[-1].error is None
     assert sum(len(o.outputs[0].token_ids) for o in good_out if o.outputs) == 6
     assert engine.scheduler.kv.usage == 0.0 and good
+
+
+class OverlappingRunner:
+    """The NumPy runner behind the asynchronous interface of the CUDA runner (`submit`
+    returns a function that waits for the step), recording when steps are submitted."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.num_kv_slots = inner.num_kv_slots
+        self.submits = self.waits = 0
+
+    def execute(self, out):
+        return self.submit(out)()
+
+    def submit(self, out):
+        self.submits += 1
+        result = self.inner.execute(out)
+
+        def finish():
+            self.waits += 1
+            return result
+        return finish
+
+
+def overlapping_engine(smollm2, smollm2_path) -> Engine:
+    engine = Engine(EngineConfig(model=smollm2_path, device="cpu",
+                                 scheduler=SchedulerConfig(max_model_len=1024)), model=smollm2)
+    engine.runner = OverlappingRunner(engine.runner)
+    engine._overlap = True
+    return engine
+
+
+def run_all(engine, prompts, params) -> dict:
+    results: dict[int, list] = {}
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        ids = engine.tokenizer.encode(prompt)
+        engine.add_request(ids, p, lambda o, i=i: results.setdefault(i, []).append(o))
+    while engine.has_work():
+        engine.step()
+    return results
+
+
+def test_an_overlapping_runner_gets_each_steps_tokens_emitted_during_the_next(smollm2, smollm2_path):
+    """With a runner whose steps run asynchronously, a step's tokens are detokenized and
+    delivered after the next step is submitted, and all at once when no step follows."""
+    engine = overlapping_engine(smollm2, smollm2_path)
+    seen = []
+
+    def sink(o):
+        seen.append((engine.runner.submits, sum(len(c.token_ids) for c in o.outputs)))
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), sink)
+    while engine.has_work():
+        engine.step()
+    # token k (of step k) arrives once step k + 1 is submitted; the last with no step after it
+    assert seen == [(2, 1), (3, 1), (4, 1), (5, 1), (6, 1), (6, 1)]
+
+
+def test_an_overlapping_engine_wakes_the_event_loop_before_waiting_for_the_device(smollm2, smollm2_path):
+    """Outputs for an asyncio consumer (LoopSink) are handed to its loop as soon as they are
+    emitted, not after the step that runs meanwhile has finished."""
+    from engine.engine import LoopSink
+    engine = overlapping_engine(smollm2, smollm2_path)
+    loop = asyncio.new_event_loop()
+    try:
+        sink = LoopSink(loop)
+        flushes = []
+        real_flush = sink.flush
+
+        def flush():
+            if sink._pending:
+                flushes.append((engine.runner.submits, engine.runner.waits))
+            real_flush()
+        sink.flush = flush
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), sink)
+        while engine.has_work():
+            engine.step()
+    finally:
+        loop.close()
+    # step k's token goes out after step k + 1 is submitted and before it is waited for
+    assert flushes == [(2, 1), (3, 2), (4, 3), (4, 4)]
+
+
+def test_overlapping_runs_give_the_outputs_of_plain_runs(smollm2, smollm2_path, llm):
+    """Same tokens, texts, stop reasons and logprobs with and without the overlap, stop
+    strings included: a sequence stopped by one while its next token was being computed
+    does not get that token."""
+    prompts = PROMPTS[:4] + ["The capital of France is"]
+    params = [SamplingParams(max_tokens=12 + 3 * i, temperature=0, logprobs=2 if i == 1 else None)
+              for i in range(4)] + [SamplingParams(n=3, max_tokens=30, temperature=0.9, seed=7, stop=[".", " the"])]
+    got = run_all(overlapping_engine(smollm2, smollm2_path), prompts, params)
+    want = run_all(llm.engine, prompts, params)
+    assert any(c.finish_reason == "stop" for c in want[4][-1].outputs)
+    for i in range(len(prompts)):
+        assert got[i][-1].finished and want[i][-1].finished
+        for g, w in zip(got[i][-1].outputs, want[i][-1].outputs):
+            assert (g.finish_reason, g.stop_reason) == (w.finish_reason, w.stop_reason)
+        joined = [lambda outs, j=j: ("".join(c.text for o in outs for c in o.outputs if c.index == j),
+                                     [t for o in outs for c in o.outputs if c.index == j for t in c.token_ids],
+                                     [lp.token_id for o in outs for c in o.outputs if c.index == j
+                                      for lp in (c.logprobs or [])])
+                  for j in range(params[i].n)]
+        for f in joined:
+            assert f(got[i]) == f(want[i])

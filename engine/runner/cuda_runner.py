@@ -9,13 +9,15 @@ inputs with one host-to-device copy and replays the CUDA graph captured for the
 smallest batch bucket >= B (padding rows point at a spare KV slot and change
 nothing). Steps with prefill chunks run eagerly as one ragged batch (cuBLAS GEMMs +
 the flash-attention prefill kernel). Sampling runs on the GPU; only the sampled ids
-(and requested logprobs) come back.
+(and requested logprobs) come back. `submit` launches a step and returns a function that
+waits for it, so the engine can use the host meanwhile; `execute` is the two in one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import cupy as cp
@@ -681,17 +683,23 @@ class CudaRunner:
     # ------------------------------------------------------------------ execute
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        return self.submit(out)()
+
+    def submit(self, out: SchedulerOutput) -> Callable[[], RunnerOutput]:
+        """Launch a step on the stream and return at once; the returned function waits for it
+        and gives its output. The host is free in between (the engine emits the previous
+        step's tokens there). Call it before the next submit: the step inputs are reused."""
         self._release(out.finished_seq_ids)
         with self.stream:
             for c in out.kv_copies:
                 self._copy_kv(c.src_start, c.dst_start, c.num_tokens)
         if out.is_empty:
-            return RunnerOutput()
+            return lambda: RunnerOutput()
         decode = (all(r.num_tokens == 1 and r.sample and not r.want_prompt_logprobs for r in out.seqs)
                   and len(out.seqs) <= self.rows)
         if decode:
-            return self._execute_decode(out.seqs)
-        return self._execute_varlen(out.seqs)
+            return self._submit_decode(out.seqs)
+        return self._submit_varlen(out.seqs)
 
     def _copy_kv(self, src: int, dst: int, n: int) -> None:
         if n <= 0:
@@ -703,7 +711,7 @@ class CudaRunner:
                                           n * self._slot_bytes, self.config.num_layers,
                                           cp.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
 
-    def _execute_decode(self, rows: list[ScheduledSeq]) -> RunnerOutput:
+    def _submit_decode(self, rows: list[ScheduledSeq]) -> Callable[[], RunnerOutput]:
         B = len(rows)
         bucket = bucket_for(B)
         h = self.buffers.inputs.host
@@ -725,12 +733,15 @@ class CudaRunner:
             else:
                 self._decode_body(bucket)
             end.record(self.stream)
-        result = self._collect(rows, list(range(B)), want_lp)  # synchronizes
-        seconds = cp.cuda.get_elapsed_time(start, end) * 1e-3
-        if seconds > 0:
-            moved = self.decode_step_bytes(int(h["kv_lens"][:B].sum()))
-            self.last_roofline_fraction = moved / (seconds * self.copy_bandwidth)
-        return result
+        kv_tokens = int(h["kv_lens"][:B].sum())
+
+        def finish() -> RunnerOutput:
+            result = self._collect(rows, list(range(B)), want_lp)  # synchronizes
+            seconds = cp.cuda.get_elapsed_time(start, end) * 1e-3
+            if seconds > 0:
+                self.last_roofline_fraction = self.decode_step_bytes(kv_tokens) / (seconds * self.copy_bandwidth)
+            return result
+        return finish
 
     def _collect(self, rows: list[ScheduledSeq], logit_rows: list[int], want_lp: bool) -> RunnerOutput:
         """Copy back the sampled ids (and logprobs) of the rows that sample."""
@@ -758,6 +769,9 @@ class CudaRunner:
     # ------------------------------------------------------------------ ragged (prefill) steps
 
     def _execute_varlen(self, rows: list[ScheduledSeq]) -> RunnerOutput:
+        return self._submit_varlen(rows)()
+
+    def _submit_varlen(self, rows: list[ScheduledSeq]) -> Callable[[], RunnerOutput]:
         cfg, b, w = self.config, self.buffers, self.weights
         T = sum(r.num_tokens for r in rows)
         if T > self.max_tokens:
@@ -807,16 +821,19 @@ class CudaRunner:
             n = len(logit_rows)
             if n == 0:
                 self.stream.synchronize()
-                return result
+                return lambda: result
             cp.take(b.norm_out[:T], cp.asarray(last_tok), axis=0, out=b.final_norm_out[:n])
             self._linear(b.final_norm_out[:n], w.lm_head, b.logits[:n])
             sampling_rows = [rows[i] for i in logit_rows]
             extra, want_lp = self._fill_sampling(sampling_rows)
             b.inputs.upload(self.stream, upto=None if extra else "banned_n")
             self._sample(n)
-        sampled = self._collect(rows, logit_rows, want_lp)
-        sampled.prompt_logprobs = result.prompt_logprobs
-        return sampled
+
+        def finish() -> RunnerOutput:
+            sampled = self._collect(rows, logit_rows, want_lp)  # synchronizes
+            sampled.prompt_logprobs = result.prompt_logprobs
+            return sampled
+        return finish
 
     def forward(self, out: SchedulerOutput, all_logits: bool = False) -> np.ndarray:
         """Logits as the NumPy runner's forward() returns them (the last token of each
