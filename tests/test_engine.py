@@ -311,3 +311,37 @@ def test_overlapping_runs_give_the_outputs_of_plain_runs(smollm2, smollm2_path, 
                   for j in range(params[i].n)]
         for f in joined:
             assert f(got[i]) == f(want[i])
+
+
+def test_an_overlapping_step_that_fails_on_the_device_fails_only_its_requests(smollm2, smollm2_path):
+    """A fault that shows when the step is waited for (an asynchronous device error) is
+    handled as a failing execute: the step's requests are retried one by one, the one at
+    fault fails, the others finish with all their tokens."""
+    engine = overlapping_engine(smollm2, smollm2_path)
+    runner = engine.runner
+    poisoned: set[int] = set()
+    real_submit = runner.submit
+
+    def submit(out):
+        finish = real_submit(out)
+        if any(row.seq_id in poisoned for row in out.seqs):
+            def fault():
+                raise RuntimeError("simulated device fault")
+            return fault
+        return finish
+    runner.submit = submit
+    results: dict[str, list] = {}
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+                       lambda o: results.setdefault("good", []).append(o))
+    engine.step()
+    bad = engine.add_request([4, 5, 6], SamplingParams(max_tokens=6, temperature=0),
+                             lambda o: results.setdefault("bad", []).append(o))
+    engine._drain_inbox()
+    poisoned.add(engine.scheduler.requests[bad].seqs[0].seq_id)
+    while engine.has_work():
+        engine.step()
+    assert results["bad"][-1].finished and "simulated device fault" in results["bad"][-1].error
+    good = results["good"]
+    assert good[-1].finished and good[-1].error is None
+    assert sum(len(o.outputs[0].token_ids) for o in good if o.outputs) == 6
+    assert engine.scheduler.kv.usage == 0.0
