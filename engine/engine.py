@@ -182,9 +182,7 @@ class Engine:
         self.observer = EngineObserver()
         self._loop_sinks: dict[asyncio.AbstractEventLoop, LoopSink] = {}
         self._flush: set[LoopSink] = set()
-        # an asynchronous runner (`submit`): each step's outputs are emitted during the next step
-        self._overlap = callable(getattr(self.runner, "submit", None))
-        self._deferred: list[Sequence] = []
+        self._deferred: list[Sequence] = []  # sequences whose last step's outputs wait for the next step
 
     # ------------------------------------------------------------------ api
 
@@ -344,6 +342,11 @@ class Engine:
         if self.on_step is not None:
             self.on_step(self, sched_out, time.perf_counter() - started)
         return outputs
+
+    @property
+    def _overlap(self) -> bool:
+        """An asynchronous runner (`submit`): each step's outputs are emitted during the next step."""
+        return callable(getattr(self.runner, "submit", None))
 
     def _submit(self, out: SchedulerOutput) -> Callable[[], RunnerOutput]:
         """Start a step; the returned function waits for its output. A runner with `submit`

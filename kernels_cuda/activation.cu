@@ -42,8 +42,9 @@ extern "C" __global__ void silu_mul(const prod_t *__restrict__ gate_up, scalar_t
         reinterpret_cast<vec8 *>(o)[i] = r;
     }
     for (int i = 8 * n8 + threadIdx.x; i < inter; i += blockDim.x) {
-        o[i] = from_float(silu_times(dequant(g[i], rs, cs, t, i), dequant(u[i], rs, cs, t, inter + i)));
-        m = fmaxf(m, fabsf(to_float(o[i])));
+        const scalar_t v = from_float(silu_times(dequant(g[i], rs, cs, t, i), dequant(u[i], rs, cs, t, inter + i)));
+        o[i] = v;
+        m = fmaxf(m, fabsf(to_float(v)));
     }
 #if QUANT_OUT
     __shared__ float scratch[32];

@@ -123,6 +123,50 @@ __device__ __forceinline__ void mma_16816(float c[4], unsigned a0, unsigned a1, 
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// One tile of scores into a warp's running softmax (flash attention, log2 domain). sc:
+// STILES 16x8 tiles of raw q.k scores (masked keys at -inf), rows g and g + 8 of the lane's
+// mma group; m_run: the two rows' running max (times scale2), l_run: this lane's running
+// sums; o: the OTILES output tiles. Leaves sc as exp2(s * scale2 - max), the unnormalised
+// probabilities, and rescales o and l_run by the change of the max. A row that has seen
+// nothing yet keeps a max of -inf and a base of zero.
+template <int STILES, int OTILES>
+__device__ __forceinline__ void online_softmax(float (&sc)[STILES][4], float m_run[2], float l_run[2],
+                                               float (&o)[OTILES][4], float scale2) {
+    float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+    for (int j = 0; j < STILES; j++) {
+        mx[0] = fmaxf(mx[0], fmaxf(sc[j][0], sc[j][1]));
+        mx[1] = fmaxf(mx[1], fmaxf(sc[j][2], sc[j][3]));
+    }
+    float base[2], corr[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        const float m_new = fmaxf(m_run[r], mx[r] * scale2);
+        base[r] = m_new == NEG_INF ? 0.0f : m_new;
+        corr[r] = exp2f(m_run[r] - base[r]);
+        m_run[r] = m_new;
+    }
+    float sum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int j = 0; j < STILES; j++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            sc[j][i] = exp2f(fmaf(sc[j][i], scale2, -base[i >> 1]));
+            sum[i >> 1] += sc[j][i];
+        }
+#pragma unroll
+    for (int r = 0; r < 2; r++) l_run[r] = l_run[r] * corr[r] + sum[r];
+#pragma unroll
+    for (int j = 0; j < OTILES; j++) {
+        o[j][0] *= corr[0];
+        o[j][1] *= corr[0];
+        o[j][2] *= corr[1];
+        o[j][3] *= corr[1];
+    }
+}
+
 __device__ __forceinline__ unsigned pack2(float lo, float hi) {
     scalar2_t v = from_float2(lo, hi);
     return *reinterpret_cast<unsigned *>(&v);

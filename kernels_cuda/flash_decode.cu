@@ -184,36 +184,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_decode_chunk(
                     for (int i = 0; i < 4; i++)
                         if (n0 + key_of(j, 2 * qd + (i & 1)) >= end) sc[j][i] = NEG_INF;
             }
-            float base[2], corr[2];
-#pragma unroll
-            for (int r = 0; r < 2; r++) {
-                float mx = fmaxf(fmaxf(sc[0][2 * r], sc[0][2 * r + 1]), fmaxf(sc[1][2 * r], sc[1][2 * r + 1]));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                const float m_new = fmaxf(m_run[r], mx * scale2);
-                base[r] = m_new == NEG_INF ? 0.0f : m_new;
-                corr[r] = exp2f(m_run[r] - base[r]);
-                m_run[r] = m_new;
-            }
-            float sum[2] = {0.0f, 0.0f};
-#pragma unroll
-            for (int j = 0; j < 2; j++)
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    sc[j][i] = exp2f(fmaf(sc[j][i], scale2, -base[i >> 1]));
-                    sum[i >> 1] += sc[j][i];
-                }
-#pragma unroll
-            for (int r = 0; r < 2; r++) l_run[r] = l_run[r] * corr[r] + sum[r];  // this lane's columns only
+            online_softmax(sc, m_run, l_run, o, scale2);
             const unsigned a0 = pack2(sc[0][0], sc[0][1]), a1 = pack2(sc[0][2], sc[0][3]);
             const unsigned a2 = pack2(sc[1][0], sc[1][1]), a3 = pack2(sc[1][2], sc[1][3]);
-#pragma unroll
-            for (int j = 0; j < OTILES; j++) {
-                o[j][0] *= corr[0];
-                o[j][1] *= corr[0];
-                o[j][2] *= corr[1];
-                o[j][3] *= corr[1];
-            }
 #if KV_FP8
             // k slots 2q, 2q+1, 2q+8, 2q+9 of P are keys 4q..4q+3 (key_of); output tiles 4u..4u+3
             // take dims 32u + 4n + (0..3) at column n (out_dim), so a lane's four V words (keys

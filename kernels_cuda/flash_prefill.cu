@@ -156,40 +156,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_prefill(
                     }
                 }
             }
-            float mx[2] = {NEG_INF, NEG_INF};
-#pragma unroll
-            for (int j = 0; j < STILES; j++) {
-                mx[0] = fmaxf(mx[0], fmaxf(sc[j][0], sc[j][1]));
-                mx[1] = fmaxf(mx[1], fmaxf(sc[j][2], sc[j][3]));
-            }
-            float base[2], corr[2];
-#pragma unroll
-            for (int r = 0; r < 2; r++) {
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-                const float m_new = fmaxf(m_run[r], mx[r] * scale2);
-                base[r] = m_new == NEG_INF ? 0.0f : m_new;  // a row that sees nothing yet stays at zero
-                corr[r] = exp2f(m_run[r] - base[r]);
-                m_run[r] = m_new;
-            }
-            float sum[2] = {0.0f, 0.0f};
-#pragma unroll
-            for (int j = 0; j < STILES; j++) {
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    sc[j][i] = exp2f(fmaf(sc[j][i], scale2, -base[i >> 1]));
-                    sum[i >> 1] += sc[j][i];
-                }
-            }
-#pragma unroll
-            for (int r = 0; r < 2; r++) l_run[r] = l_run[r] * corr[r] + sum[r];  // this lane's columns only
-#pragma unroll
-            for (int j = 0; j < OTILES; j++) {
-                o[j][0] *= corr[0];
-                o[j][1] *= corr[0];
-                o[j][2] *= corr[1];
-                o[j][3] *= corr[1];
-            }
+            online_softmax(sc, m_run, l_run, o, scale2);
 #pragma unroll
             for (int kk = 0; kk < BLOCK_N / 16; kk++) {
                 const unsigned a0 = pack2(sc[2 * kk][0], sc[2 * kk][1]), a1 = pack2(sc[2 * kk][2], sc[2 * kk][3]);

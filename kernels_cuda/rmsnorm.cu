@@ -67,8 +67,9 @@ __device__ __forceinline__ void norm_row(float *__restrict__ r, const float *__r
         }
     }
     for (int i = 4 * n4 + threadIdx.x; i < hidden; i += blockDim.x) {
-        out[i] = from_float(r[i] * inv * w[i]);
-        m = fmaxf(m, fabsf(to_float(out[i])));
+        const scalar_t v = from_float(r[i] * inv * w[i]);
+        out[i] = v;
+        m = fmaxf(m, fabsf(to_float(v)));
     }
 #if QUANT_OUT
     const float qinv = quant_inv(m, q_scale, scratch);
