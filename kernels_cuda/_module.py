@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 from pathlib import Path
 
 import cupy as cp
@@ -42,6 +43,16 @@ def function(mod: cp.RawModule, name: str, dynamic_smem: int = 0) -> cp.RawKerne
         kernel.max_dynamic_shared_size_bytes = dynamic_smem
         _SMEM_SET.add((id(mod), name))
     return kernel
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: int) -> int:
+    return cp.cuda.runtime.deviceGetAttribute(cp.cuda.runtime.cudaDevAttrMultiProcessorCount, device)
+
+
+def sm_count() -> int:
+    """Streaming multiprocessors of the current device."""
+    return _sm_count(cp.cuda.Device().id)
 
 
 def use_bf16(arr: cp.ndarray) -> int:

@@ -127,20 +127,24 @@ __device__ __forceinline__ void mma_16816(float c[4], unsigned a0, unsigned a1, 
 // STILES 16x8 tiles of raw q.k scores (masked keys at -inf), rows g and g + 8 of the lane's
 // mma group; m_run: the two rows' running max (times scale2), l_run: this lane's running
 // sums; o: the OTILES output tiles. Leaves sc as exp2(s * scale2 - max), the unnormalised
-// probabilities, and rescales o and l_run by the change of the max. A row that has seen
-// nothing yet keeps a max of -inf and a base of zero.
-template <int STILES, int OTILES>
+// probabilities, and rescales o and l_run by the change of the max (skipped when no row of
+// the warp has a new max, the common case once a row has seen its largest scores). A row
+// that has seen nothing yet keeps a max of -inf and a base of zero. LIVE = 1: rows 8..15
+// are padding (a decode tile of <= 8 heads); their probabilities are left at zero and
+// their outputs are never rescaled.
+template <int STILES, int OTILES, int LIVE = 2>
 __device__ __forceinline__ void online_softmax(float (&sc)[STILES][4], float m_run[2], float l_run[2],
                                                float (&o)[OTILES][4], float scale2) {
+    static_assert(LIVE == 1 || LIVE == 2, "one or both row halves");
     float mx[2] = {NEG_INF, NEG_INF};
 #pragma unroll
     for (int j = 0; j < STILES; j++) {
         mx[0] = fmaxf(mx[0], fmaxf(sc[j][0], sc[j][1]));
         mx[1] = fmaxf(mx[1], fmaxf(sc[j][2], sc[j][3]));
     }
-    float base[2], corr[2];
+    float base[2], corr[2] = {1.0f, 1.0f};
 #pragma unroll
-    for (int r = 0; r < 2; r++) {
+    for (int r = 0; r < LIVE; r++) {
         mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
         mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
         const float m_new = fmaxf(m_run[r], mx[r] * scale2);
@@ -153,17 +157,20 @@ __device__ __forceinline__ void online_softmax(float (&sc)[STILES][4], float m_r
     for (int j = 0; j < STILES; j++)
 #pragma unroll
         for (int i = 0; i < 4; i++) {
+            if ((i >> 1) >= LIVE) {
+                sc[j][i] = 0.0f;
+                continue;
+            }
             sc[j][i] = exp2f(fmaf(sc[j][i], scale2, -base[i >> 1]));
             sum[i >> 1] += sc[j][i];
         }
 #pragma unroll
-    for (int r = 0; r < 2; r++) l_run[r] = l_run[r] * corr[r] + sum[r];
+    for (int r = 0; r < LIVE; r++) l_run[r] = l_run[r] * corr[r] + sum[r];
+    if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
 #pragma unroll
-    for (int j = 0; j < OTILES; j++) {
-        o[j][0] *= corr[0];
-        o[j][1] *= corr[0];
-        o[j][2] *= corr[1];
-        o[j][3] *= corr[1];
+        for (int j = 0; j < OTILES; j++)
+#pragma unroll
+            for (int i = 0; i < 2 * LIVE; i++) o[j][i] *= corr[i >> 1];
     }
 }
 
@@ -230,14 +237,23 @@ __device__ __forceinline__ unsigned fp8x2_to_scalar2(unsigned short v) {
     return h;
 #endif
 }
+// four e4m3 bytes -> lo: bytes 0, 1 and hi: bytes 2, 3 as two 16-bit values each; the
+// converts read the word's halves in place (no masking or shifting first)
+__device__ __forceinline__ void fp8x4_to_scalar2x2(unsigned w, unsigned &lo, unsigned &hi) {
+#if USE_BF16
+    lo = fp8x2_to_scalar2((unsigned short)(w & 0xffff));
+    hi = fp8x2_to_scalar2((unsigned short)(w >> 16));
+#else
+    asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.rn.f16x2.e4m3x2 %0, l;\n\tcvt.rn.f16x2.e4m3x2 %1, h;\n\t}"
+        : "=r"(lo), "=r"(hi)
+        : "r"(w));
+#endif
+}
 // 16 e4m3 bytes (one 16-byte load) -> 8 words of two 16-bit values, lower byte first
 __device__ __forceinline__ void fp8x16_to_scalar2x8(const uint4 &v, unsigned out[8]) {
     const unsigned w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-    for (int j = 0; j < 4; j++) {
-        out[2 * j] = fp8x2_to_scalar2((unsigned short)(w[j] & 0xffff));
-        out[2 * j + 1] = fp8x2_to_scalar2((unsigned short)(w[j] >> 16));
-    }
+    for (int j = 0; j < 4; j++) fp8x4_to_scalar2x2(w[j], out[2 * j], out[2 * j + 1]);
 }
 
 // A row quantized to e4m3 with one float32 scale: scale = max |x| / 448 (1 for a zero row),

@@ -19,7 +19,7 @@
 // partials into the output: no separate reduce kernel. Maxima are in the log2 domain.
 //
 // -DHEAD_DIM (multiple of 16; of 32 with KV_FP8), -DGROUP (query heads per KV head, <= 16),
-// -DCHUNK (the shortest split, a multiple of KEYS), -DKV_FP8 (e4m3 cache: the byte tiles stay as they arrive and
+// -DCHUNK (the shortest split, a multiple of KEYS), -DMIN_BLOCKS (launch bounds), -DKV_FP8 (e4m3 cache: the byte tiles stay as they arrive and
 // each lane converts its own fragments, with keys and dims permuted inside a tile so that a
 // lane reads whole 32-bit words). Dynamic shared memory: flash_decode.smem_bytes(). KV pool layout:
 // (layers, slots, kv_heads, HEAD_DIM); row b's keys start at k_ptrs[b] + layer_offset.
@@ -35,6 +35,9 @@
 #define CHUNK 256
 #endif
 #define THREADS 128
+#ifndef MIN_BLOCKS  // blocks an SM to fit (flash_decode.py: 4 for large fp8 grids, 128 registers a thread)
+#define MIN_BLOCKS 1
+#endif
 #define WARPS 4
 #define KEYS 64                 // keys per tile, 16 per warp
 #define LDS (HEAD_DIM + 8)      // shared row stride (elements), as in flash_prefill
@@ -63,7 +66,7 @@ __device__ __forceinline__ int window_start(int kv_len, int window) {
     return window > 0 && kv_len > window ? kv_len - window : 0;
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS) flash_decode_chunk(
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_decode_chunk(
     const scalar_t *__restrict__ q,         // (B, H, HEAD_DIM)
     const long long *__restrict__ k_ptrs,   // (B)
     const long long *__restrict__ v_ptrs,   // (B)
@@ -162,9 +165,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_decode_chunk(
             for (int kk = 0; kk < KSTEPS; kk++)
 #pragma unroll
                 for (int j = 0; j < 2; j++) {  // the key of column g of score tile j: see key_of
-                    const unsigned w = *reinterpret_cast<const unsigned *>(cK + key_of(j, g) * SROW + kk * 16 + 4 * qd);
-                    mma_16816(sc[j], qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], fp8x2_to_scalar2(w & 0xffff),
-                              fp8x2_to_scalar2(w >> 16));
+                    unsigned b0, b1;
+                    fp8x4_to_scalar2x2(*reinterpret_cast<const unsigned *>(cK + key_of(j, g) * SROW + kk * 16 + 4 * qd),
+                                       b0, b1);
+                    mma_16816(sc[j], qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], b0, b1);
                 }
 #else
             const scalar_t *cK = sK + ((t & 1) * KEYS + warp * 16) * LDS;
@@ -184,13 +188,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_decode_chunk(
                     for (int i = 0; i < 4; i++)
                         if (n0 + key_of(j, 2 * qd + (i & 1)) >= end) sc[j][i] = NEG_INF;
             }
-            online_softmax(sc, m_run, l_run, o, scale2);
+            online_softmax<2, OTILES, GROUP <= 8 ? 1 : 2>(sc, m_run, l_run, o, scale2);
             const unsigned a0 = pack2(sc[0][0], sc[0][1]), a1 = pack2(sc[0][2], sc[0][3]);
             const unsigned a2 = pack2(sc[1][0], sc[1][1]), a3 = pack2(sc[1][2], sc[1][3]);
 #if KV_FP8
             // k slots 2q, 2q+1, 2q+8, 2q+9 of P are keys 4q..4q+3 (key_of); output tiles 4u..4u+3
-            // take dims 32u + 4n + (0..3) at column n (out_dim), so a lane's four V words (keys
-            // 4q..4q+3, dims 32u + 4g..+3) transposed bytewise feed four MMAs
+            // take dims 32u + 4n + (0..3) at column n (out_dim). A lane's four V words (keys
+            // 4q..4q+3, dims 32u + 4g..+3) interleaved bytewise, two dims per permute, feed four MMAs
 #pragma unroll
             for (int u = 0; u < OTILES / 4; u++) {
                 unsigned w[4];
@@ -198,10 +202,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_decode_chunk(
                 for (int i = 0; i < 4; i++)
                     w[i] = *reinterpret_cast<const unsigned *>(cV + (4 * qd + i) * SROW + 32 * u + 4 * g);
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const unsigned sel = e | ((e + 4) << 4);  // byte e of the first word, then of the second
-                    const unsigned k01 = __byte_perm(w[0], w[1], sel), k23 = __byte_perm(w[2], w[3], sel);
-                    mma_16816(o[4 * u + e], a0, a1, a2, a3, fp8x2_to_scalar2(k01 & 0xffff), fp8x2_to_scalar2(k23 & 0xffff));
+                for (int e = 0; e < 4; e += 2) {
+                    const unsigned sel = e == 0 ? 0x5140u : 0x7362u;  // dims e, e + 1 of keys (0, 1) / (2, 3)
+                    unsigned k01[2], k23[2];
+                    fp8x4_to_scalar2x2(__byte_perm(w[0], w[1], sel), k01[0], k01[1]);
+                    fp8x4_to_scalar2x2(__byte_perm(w[2], w[3], sel), k23[0], k23[1]);
+                    mma_16816(o[4 * u + e], a0, a1, a2, a3, k01[0], k23[0]);
+                    mma_16816(o[4 * u + e + 1], a0, a1, a2, a3, k01[1], k23[1]);
                 }
             }
 #else
@@ -241,6 +248,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_decode_chunk(
         }
     }
     __syncthreads();
+    // a row's only split writes its output, normalised: no partials to combine
     float *po = part_o + row0 * head_stride + (long long)split * HEAD_DIM;
     float *pml = part_ml + (row0 * max_splits + split) * 2;
     for (int i = tid; i < GROUP * HEAD_DIM; i += THREADS) {
@@ -256,12 +264,17 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_decode_chunk(
             O += red_o[(w * GROUP + h) * HEAD_DIM + d] * e;
             L += red_l[w * GROUP + h] * e;
         }
+        if (splits == 1) {
+            out[(row0 + h) * HEAD_DIM + d] = from_float(L > 0.0f ? O / L : 0.0f);
+            continue;
+        }
         po[(long long)h * head_stride + d] = O;
         if (d == 0) {
             pml[(long long)h * max_splits * 2] = M;
             pml[(long long)h * max_splits * 2 + 1] = L;
         }
     }
+    if (splits == 1) return;
 
     // the last of the row's `splits` blocks for this KV head combines their partials
     __shared__ bool last;

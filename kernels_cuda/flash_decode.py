@@ -7,11 +7,19 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
-from ._module import check, check_scalar, f32, function, i32, i64, launch, module, use_bf16
+from ._module import check, check_scalar, f32, function, i32, i64, launch, module, sm_count, use_bf16
 
 CHUNK_THREADS = 128
 MAX_SPLITS = 64  # flash_decode.cu's bound on the splits of one sequence
 KEYS = 64  # keys per shared-memory tile; a chunk is a multiple of it
+
+
+def min_blocks(blocks: int, head_dim: int, group: int, kv_fp8: bool) -> int:
+    """Launch bounds: a grid of fp8 K/V that fills the GPU four times over runs four blocks
+    an SM (128 registers a thread instead of ~160, no spills up to 128 dims and 8 heads a
+    group); the conversions of fp8 tiles leave it latency-bound at three. Small grids keep
+    the registers (their blocks are few, each on the critical path)."""
+    return 4 if kv_fp8 and head_dim <= 128 and group <= 8 and blocks >= 4 * sm_count() else 1
 
 
 def smem_bytes(head_dim: int, kv_fp8: bool = False) -> int:
@@ -56,8 +64,9 @@ def flash_decode(q: cp.ndarray, k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, kv_lens:
         raise ValueError(f"{S} splits: 1 to {MAX_SPLITS}")
     check(counters, "counters", np.int32, (B, num_kv_heads))
     check(out, "out", q.dtype, (B, H, D))
-    mod = module("flash_decode", USE_BF16=use_bf16(q), HEAD_DIM=D, GROUP=H // num_kv_heads, CHUNK=chunk,
-                 KV_FP8=int(kv_fp8))
+    group = H // num_kv_heads
+    mod = module("flash_decode", USE_BF16=use_bf16(q), HEAD_DIM=D, GROUP=group, CHUNK=chunk, KV_FP8=int(kv_fp8),
+                 MIN_BLOCKS=min_blocks(B * num_kv_heads * S, D, group, kv_fp8))
     smem = smem_bytes(D, kv_fp8)
     launch(function(mod, "flash_decode_chunk", smem), (S, num_kv_heads, B), (CHUNK_THREADS,),
            (q, k_ptrs, v_ptrs, kv_lens, i64(layer_offset), part_o, part_ml, counters, out, i32(H), i32(num_kv_heads),

@@ -454,13 +454,22 @@ def test_readers_take_a_16_bit_product(kernel, prod, fp8):
 
 
 @pytest.mark.parametrize("kv8", [False, True], ids=["kv16", "kv8"])
-@pytest.mark.parametrize("splits,chunk,window", [(6, 128, 0), (2, 128, 0), (1, 256, 0), (3, 128, 300)])
-def test_flash_decode(kv8, splits, chunk, window):
+@pytest.mark.parametrize("splits,chunk,window,heads,min_blocks", [
+    (6, 128, 0, (8, 2), 1), (2, 128, 0, (8, 2), 1), (1, 256, 0, (8, 2), 1), (3, 128, 300, (8, 2), 1),
+    (2, 128, 0, (16, 1), 1), (1, 256, 0, (8, 2), 4), (3, 128, 300, (8, 2), 4)])
+def test_flash_decode(kv8, splits, chunk, window, heads, min_blocks, monkeypatch):
     """Split-KV decode attention against softmax(q k^T * scale) v in float64: rows of various
     lengths (0: a padding row) in `splits` splits of `chunk` keys, or longer ones where those do
-    not cover a row (2 splits for 1,000 keys: two of 512); `window`: sliding-window attention."""
+    not cover a row (2 splits for 1,000 keys: two of 512); `window`: sliding-window attention;
+    16 query heads a KV head (all 16 rows of the tile live); min_blocks 4: the launch bounds of
+    large fp8 grids, forced on this small one."""
+    import kernels_cuda.flash_decode as fd
     from kernels_cuda.flash_decode import flash_decode
-    H, KVH, D, region = 8, 2, 64, 1024
+    if min_blocks != 1:
+        if not kv8:
+            pytest.skip("four blocks an SM are for fp8 K/V")
+        monkeypatch.setattr(fd, "min_blocks", lambda *args: min_blocks)
+    (H, KVH), D, region = heads, 64, 1024
     lens = np.array([1, 70, 129, 0, 640, 1000], np.int32)
     B = len(lens)
     q = rng.standard_normal((B, H, D)).astype(np.float32)

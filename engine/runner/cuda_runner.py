@@ -31,7 +31,7 @@ from kernels_cuda.flash_prefill import flash_prefill, tiles
 from kernels_cuda.gemm import gemm, gemm_fp8
 from kernels_cuda.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from kernels_cuda.gemv import gemv, gemv_rope, gemv_silu
-from kernels_cuda._module import pdl_supported
+from kernels_cuda._module import pdl_supported, sm_count
 from kernels_cuda.quant import Fp8Matrix, quantize_matrix, quantize_rows
 from kernels_cuda.rmsnorm import add_rms_norm, rms_norm
 from kernels_cuda.rope import rope_kv_write
@@ -245,7 +245,7 @@ class CudaRunner:
         self.max_tokens = max(sched.max_num_batched_tokens, self.rows)
         # flash-decode split plan per graph bucket: (shortest split, splits); 4 blocks an SM
         # are resident (its registers and shared memory)
-        resident = 4 * cp.cuda.Device().attributes["MultiProcessorCount"]
+        resident = 4 * sm_count()
         self.splits = {}
         for bucket in BUCKETS:
             self.splits[bucket] = decode_split_plan(bucket, cfg.num_kv_heads, self.max_model_len, resident)
