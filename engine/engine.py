@@ -183,6 +183,10 @@ class Engine:
         self._loop_sinks: dict[asyncio.AbstractEventLoop, LoopSink] = {}
         self._flush: set[LoopSink] = set()
         self._deferred: list[Sequence] = []  # sequences whose last step's outputs wait for the next step
+        # a step scheduled and launched while the one before it ran: (output, finish, launched at)
+        self._ahead: tuple[SchedulerOutput, Callable[[], RunnerOutput], float] | None = None
+        self._last_step_end = 0.0
+        self.schedule_ahead = True  # launch steady decode steps ahead of the previous update (_submit_ahead)
 
     # ------------------------------------------------------------------ api
 
@@ -282,7 +286,7 @@ class Engine:
             self._thread = None
 
     def has_work(self) -> bool:
-        return bool(self._inbox) or bool(self._deferred) or self.scheduler.has_work()
+        return bool(self._inbox) or bool(self._deferred) or self._ahead is not None or self.scheduler.has_work()
 
     def _loop(self) -> None:
         try:
@@ -314,20 +318,28 @@ class Engine:
 
     def _step(self) -> list[RequestOutput]:
         outputs = self._drain_inbox()
-        if not self.scheduler.has_work():
-            return outputs + self._emit_deferred()
-        started = time.perf_counter()
-        sched_out = self.scheduler.schedule()
-        if sched_out.is_empty:
-            return outputs + self._emit_deferred()
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:  # scheduled and launched during the last step
+            sched_out, finish, started = ahead
+        else:
+            if not self.scheduler.has_work():
+                return outputs + self._emit_deferred()
+            started = time.perf_counter()
+            sched_out = self.scheduler.schedule()
+            if sched_out.is_empty:
+                return outputs + self._emit_deferred()
+            finish = None
         try:
-            finish = self._submit(sched_out)
+            if finish is None:
+                finish = self._submit(sched_out)
+            self._submit_ahead(sched_out)
             # the previous step's tokens are detokenized and delivered while this one runs
             outputs += self._emit_deferred()
             self._flush_sinks()
             result = finish()
         except Exception:  # keep serving the others: find and fail only the requests at fault
             log.exception("runner failed on step %d; retrying its requests one by one", sched_out.step)
+            self._drop_ahead()
             outputs += self._emit_deferred()
             self.stats.step_errors += 1
             result, failed = self._execute_isolated(sched_out)
@@ -335,13 +347,42 @@ class Engine:
                 outputs.append(self._fail(request_id, f"internal error while generating: {exc!r}"))
         touched = self.scheduler.update(sched_out, result)
         self.stats.steps += 1
-        if self._overlap and self.scheduler.has_work():
+        if self._overlap and self.has_work():
             self._deferred = touched  # emitted once the next step is launched
         else:
             outputs += self._emit(touched)
-        if self.on_step is not None:
-            self.on_step(self, sched_out, time.perf_counter() - started)
+        now = time.perf_counter()
+        if self.on_step is not None:  # a step launched ahead is timed from the end of the one before
+            self.on_step(self, sched_out, now - max(started, self._last_step_end))
+        self._last_step_end = now
         return outputs
+
+    def _submit_ahead(self, prev: SchedulerOutput) -> None:
+        """Launch the step after `prev` before waiting for `prev`, when the scheduler can
+        tell it already (steady decoding, Scheduler.schedule_ahead) and the runner can take
+        its input tokens from `prev`'s output on the device (`chain_rows`, the CUDA runner):
+        the device then goes from one step to the next without waiting for the host's
+        update and schedule. Requests that came in meanwhile are taken by a normal step."""
+        max_rows = getattr(self.runner, "chain_rows", 0)
+        if not (self.schedule_ahead and max_rows) or self._inbox:
+            return
+        nxt = self.scheduler.schedule_ahead(prev, max_rows)
+        if nxt is None:
+            return
+        try:
+            self._ahead = (nxt, self.runner.submit(nxt), time.perf_counter())
+        except Exception:  # noqa: BLE001 - not launched: the next step is scheduled as usual
+            log.exception("could not launch step %d ahead; scheduling it after step %d", nxt.step, prev.step)
+
+    def _drop_ahead(self) -> None:
+        """Forget a step launched ahead of one that failed (after it has run: its device
+        buffers are reused). The scheduler never counted it, so its rows run again."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            try:
+                ahead[1]()
+            except Exception:  # noqa: BLE001 - it ran on the failed step's outputs
+                log.warning("dropped the step launched ahead of step %d", ahead[0].step - 1, exc_info=True)
 
     @property
     def _overlap(self) -> bool:
@@ -380,8 +421,11 @@ class Engine:
         groups: dict[str, list[ScheduledSeq]] = {}
         for row in out.seqs:
             seq = self.scheduler.get_seq(row.seq_id)
-            if seq is not None:
-                groups.setdefault(seq.request.request_id, []).append(row)
+            if seq is None:
+                continue
+            if out.chained:  # its input is the token the step before produced, now in the sequence
+                row = dataclasses.replace(row, token_ids=seq.output_token_ids[-1:], pending_tokens=0)
+            groups.setdefault(seq.request.request_id, []).append(row)
         merged, failed = RunnerOutput(), {}
         copies = out.kv_copies
         for request_id, rows in groups.items():

@@ -29,6 +29,9 @@ class ScheduledSeq:
     prompt_token_ids: list[int] = field(default_factory=list)  # repetition penalty covers the prompt too
     want_prompt_logprobs: bool = False  # return logprobs of the prompt tokens this chunk predicts
     rng_seed: int = 0  # the sequence's sampling stream; draws are keyed by (rng_seed, tokens generated)
+    # tokens generated that output_token_ids does not hold yet: 1 in a step scheduled ahead
+    # (SchedulerOutput.chained), whose previous step's token is still on the device
+    pending_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -55,6 +58,10 @@ class SchedulerOutput:
     step: int = 0
     # sequences finished or preempted since the last step: per-sequence runner state may go
     finished_seq_ids: list[int] = field(default_factory=list)
+    # scheduled ahead, while the previous step ran (Scheduler.schedule_ahead): its rows are
+    # that step's decode rows in the same order, each one position on, and their input
+    # tokens are what that step sampled, taken on the device (token_ids hold stale values)
+    chained: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -280,6 +280,42 @@ class Scheduler:
         gone, self._gone = self._gone, []
         return SchedulerOutput(seqs=rows, kv_copies=copies, step=self._step, finished_seq_ids=gone)
 
+    def schedule_ahead(self, prev: SchedulerOutput, max_rows: int) -> SchedulerOutput | None:
+        """The step after `prev`, scheduled while `prev` still runs (before update(prev)), or
+        None when it cannot be known yet: the same decode rows in the same order, each one
+        position on, its input the token `prev` samples (the runner takes it on the device).
+
+        Only the steady state qualifies: `prev` decoded every running sequence and no one
+        waits; no row ends by length with prev's token or needs its region grown (a move
+        would copy a token not counted yet). A row that prev's token turns out to stop
+        (EOS, stop token or string) has a token computed in vain: update skips finished
+        sequences, as it does for any sequence that finishes while a step is in flight.
+        """
+        if (self.waiting or self.preempted or not prev.seqs or len(prev.seqs) > max_rows
+                or len(prev.seqs) != len(self.running)):
+            return None
+        rows: list[ScheduledSeq] = []
+        for row in prev.seqs:
+            seq = self._seqs.get(row.seq_id)
+            if (seq is None or seq.status is not SeqStatus.RUNNING or seq.needs_fork or len(row.token_ids) != 1
+                    or not row.sample or row.want_prompt_logprobs or seq.num_computed != row.start_pos):
+                return None
+            params = seq.request.params
+            generated = len(seq.output_token_ids) + 1  # with prev's token
+            if ((params.max_tokens is not None and generated >= params.max_tokens)
+                    or seq.num_tokens + 1 >= self.max_model_len):
+                return None
+            start, capacity = self.kv.region(seq.seq_id)
+            if row.kv_len + 1 > capacity:
+                return None
+            rows.append(ScheduledSeq(
+                seq_id=seq.seq_id, token_ids=row.token_ids, start_pos=row.kv_len, kv_start=start, sample=True,
+                sampling=params, output_token_ids=seq.output_token_ids, prompt_token_ids=row.prompt_token_ids,
+                rng_seed=seq.rng_seed, pending_tokens=1))
+        self._step += 1
+        gone, self._gone = self._gone, []
+        return SchedulerOutput(seqs=rows, step=self._step, finished_seq_ids=gone, chained=True)
+
     # ------------------------------------------------------------ update
 
     def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[Sequence]:

@@ -261,6 +261,35 @@ def test_engine_sampling_features_on_gpu(gpu_engine):
     assert gpu_engine.scheduler.kv.usage == 0.0
 
 
+def test_steps_launched_ahead_give_the_same_outputs(gpu_engine):
+    """Decode steps launched before the previous step's update (input tokens taken on the
+    device, two steps' outputs in flight) give the same bits as steps launched one by one:
+    seeded sampling, penalties, min_tokens, logprobs and stop tokens included."""
+    params = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.95, seed=11, logprobs=1, min_tokens=4,
+                            repetition_penalty=1.1, frequency_penalty=0.2,
+                            stop_token_ids=[gpu_engine.tokenizer.encode(".")[0]])
+
+    def run(ahead: bool):
+        gpu_engine.schedule_ahead = ahead
+        outs = {}
+        for i, p in enumerate(PROMPTS):
+            gpu_engine.add_request(gpu_engine.tokenizer.encode(p), params, lambda o, i=i: outs.setdefault(i, []).append(o))
+        chained = 0
+        while gpu_engine.has_work():
+            gpu_engine.step()
+            chained += gpu_engine._ahead is not None
+        return chained, [[(t, lp.logprob) for o in outs[i] for c in o.outputs
+                          for t, lp in zip(c.token_ids, c.logprobs)] for i in range(len(PROMPTS))]
+    try:
+        chained, got = run(True)
+        none, want = run(False)
+    finally:
+        gpu_engine.schedule_ahead = True
+    assert chained > 5 and none == 0
+    assert got == want and all(len(w) >= 4 for w in want)
+    assert gpu_engine.scheduler.kv.usage == 0.0
+
+
 def test_prompt_logprobs_on_gpu_match_cpu(gpu_engine, smollm2_runner):
     ids = gpu_engine.tokenizer.encode("The capital of France is Paris")
     outs = []

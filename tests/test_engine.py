@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 
@@ -196,12 +197,12 @@ def test_a_failing_step_fails_only_its_requests(smollm2, smollm2_path):
     check_only_the_poisoned_request_fails(engine, poisoned)
 
 
-def check_only_the_poisoned_request_fails(engine, poisoned: set[int]) -> None:
+def check_only_the_poisoned_request_fails(engine, poisoned: set[int], want: list[int] | None = None) -> None:
     """A request runs alone, then a second joins whose sequence id goes into `poisoned` (the
     engine's runner fails steps that hold it): the second fails with the fault, the first
-    finishes with all its tokens, and every KV slot is free again."""
+    finishes with all its tokens (`want`, when given), and every KV slot is free again."""
     results = {}
-    good = engine.add_request([1, 2, 3], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+    good = engine.add_request([1, 2, 3], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
                               lambda o: results.setdefault("good", []).append(o))
     engine.step()  # good is running alone
     bad = engine.add_request([4, 5, 6], SamplingParams(max_tokens=6, temperature=0),
@@ -213,7 +214,8 @@ def check_only_the_poisoned_request_fails(engine, poisoned: set[int]) -> None:
     assert results["bad"][-1].finished and "simulated device fault" in results["bad"][-1].error
     good_out = results["good"]
     assert good_out[-1].finished and good_out[-1].error is None
-    assert sum(len(o.outputs[0].token_ids) for o in good_out if o.outputs) == 6
+    tokens = [t for o in good_out if o.outputs for t in o.outputs[0].token_ids]
+    assert len(tokens) == 8 and (want is None or tokens == want)
     assert engine.scheduler.kv.usage == 0.0 and good
 
 
@@ -239,10 +241,34 @@ class OverlappingRunner:
         return finish
 
 
-def overlapping_engine(smollm2, smollm2_path) -> Engine:
+class ChainingRunner(OverlappingRunner):
+    """Also takes steps launched ahead (`chain_rows`, SchedulerOutput.chained), as the CUDA
+    runner does: a row's input token is the one the step before sampled for it."""
+
+    chain_rows = 64
+
+    def __init__(self, inner) -> None:
+        super().__init__(inner)
+        self.last: dict[int, int] = {}
+        self.chained = 0
+
+    def submit(self, out):
+        if out.chained:
+            out = dataclasses.replace(out, chained=False, seqs=[
+                dataclasses.replace(r, token_ids=[self.last[r.seq_id]], pending_tokens=0,
+                                    output_token_ids=r.output_token_ids + [self.last[r.seq_id]])
+                for r in out.seqs])
+            self.chained += 1
+        finish = super().submit(out)
+        self.last.update(finish().sampled)
+        self.waits -= 1  # finish() above was this wrapper's, not the engine's
+        return finish
+
+
+def overlapping_engine(smollm2, smollm2_path, runner=OverlappingRunner) -> Engine:
     engine = Engine(EngineConfig(model=smollm2_path, device="cpu",
                                  scheduler=SchedulerConfig(max_model_len=1024)), model=smollm2)
-    engine.runner = OverlappingRunner(engine.runner)
+    engine.runner = runner(engine.runner)
     return engine
 
 
@@ -296,15 +322,21 @@ def test_an_overlapping_engine_wakes_the_event_loop_before_waiting_for_the_devic
     assert flushes == [(2, 1), (3, 2), (4, 3), (4, 4)]
 
 
-def test_overlapping_runs_give_the_outputs_of_plain_runs(smollm2, smollm2_path, llm):
+@pytest.mark.parametrize("runner", [OverlappingRunner, ChainingRunner], ids=["overlap", "chained"])
+def test_overlapping_runs_give_the_outputs_of_plain_runs(smollm2, smollm2_path, llm, runner):
     """Same tokens, texts, stop reasons and logprobs with and without the overlap, stop
     strings included: a sequence stopped by one while its next token was being computed
-    does not get that token."""
+    does not get that token. chained: steps are also launched ahead of the previous step's
+    update (seeded sampling, a repetition penalty and min_tokens count the token in flight)."""
     prompts = PROMPTS[:4] + ["The capital of France is"]
-    params = [SamplingParams(max_tokens=12 + 3 * i, temperature=0, logprobs=2 if i == 1 else None)
+    params = [SamplingParams(max_tokens=12 + 3 * i, temperature=0, logprobs=2 if i == 1 else None,
+                             repetition_penalty=1.3 if i == 2 else 1.0, min_tokens=10 if i == 3 else 0)
               for i in range(4)] + [SamplingParams(n=3, max_tokens=30, temperature=0.9, seed=7, stop=[".", " the"])]
-    got = run_all(overlapping_engine(smollm2, smollm2_path), prompts, params)
+    engine = overlapping_engine(smollm2, smollm2_path, runner)
+    got = run_all(engine, prompts, params)
     want = run_all(llm.engine, prompts, params)
+    if runner is ChainingRunner:
+        assert engine.runner.chained > 10
     assert any(c.finish_reason == "stop" for c in want[4][-1].outputs)
     for i in range(len(prompts)):
         assert got[i][-1].finished and want[i][-1].finished
@@ -319,21 +351,32 @@ def test_overlapping_runs_give_the_outputs_of_plain_runs(smollm2, smollm2_path, 
             assert f(got[i]) == f(want[i])
 
 
-def test_an_overlapping_step_that_fails_on_the_device_fails_only_its_requests(smollm2, smollm2_path):
+@pytest.mark.parametrize("runner", [OverlappingRunner, ChainingRunner], ids=["overlap", "chained"])
+def test_an_overlapping_step_that_fails_on_the_device_fails_only_its_requests(smollm2, smollm2_path, llm, runner):
     """A fault that shows when the step is waited for (an asynchronous device error) is
     handled as a failing execute: the step's requests are retried one by one, the one at
-    fault fails, the others finish with all their tokens."""
-    engine = overlapping_engine(smollm2, smollm2_path)
-    runner = engine.runner
+    fault fails, the others finish with all their tokens. chained: the first step to fail
+    is one launched ahead (the one launched ahead of it is dropped); its rows are retried
+    with the tokens they were given on the device."""
+    engine = overlapping_engine(smollm2, smollm2_path, runner)
     poisoned: set[int] = set()
-    real_submit = runner.submit
+    real_submit = engine.runner.submit
+    armed = [runner is OverlappingRunner]
 
     def submit(out):
         finish = real_submit(out)
-        if any(row.seq_id in poisoned for row in out.seqs):
+        if any(row.seq_id in poisoned for row in out.seqs) and (armed[0] or out.chained):
+            armed[0] = True
+
             def fault():
                 raise RuntimeError("simulated device fault")
             return fault
         return finish
-    runner.submit = submit
-    check_only_the_poisoned_request_fails(engine, poisoned)
+    engine.runner.submit = submit
+    want = []
+    llm.engine.add_request([1, 2, 3], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                           lambda o: want.extend(o.outputs[0].token_ids if o.outputs else []))
+    while llm.engine.has_work():
+        llm.engine.step()
+    check_only_the_poisoned_request_fails(engine, poisoned, want)
+    assert armed[0]

@@ -9,6 +9,7 @@ recompute are all checked for correctness, not just for bookkeeping.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 import pytest
@@ -331,3 +332,96 @@ def test_prompt_logprobs_only_with_zero_max_tokens():
     assert request.seqs[0].output_token_ids == []
     assert [lp.token_id for lp in request.prompt_logprobs] == request.prompt_token_ids[1:]
     assert not any(r.sample for step in runner.steps for r in step.seqs)
+
+
+# ---------------------------------------------------------------- steps scheduled ahead
+
+
+class ChainingFakeRunner(FakeRunner):
+    """Takes steps scheduled ahead (SchedulerOutput.chained): a row's input token is what
+    the step before sampled for it, which its output_token_ids does not hold yet."""
+
+    def __init__(self, num_slots: int) -> None:
+        super().__init__(num_slots)
+        self.last: dict[int, int] = {}
+        self.chained = 0
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        if out.chained:
+            self.chained += 1
+            assert all(r.pending_tokens == 1 for r in out.seqs)
+            out = dataclasses.replace(out, chained=False, seqs=[
+                dataclasses.replace(r, token_ids=[self.last[r.seq_id]], pending_tokens=0,
+                                    output_token_ids=r.output_token_ids + [self.last[r.seq_id]])
+                for r in out.seqs])
+        result = super().execute(out)
+        self.last.update(result.sampled)
+        return result
+
+
+def run_ahead(s: Scheduler, runner: ChainingFakeRunner, max_rows: int = 8) -> None:
+    """The engine's order with a runner that chains: launch a step, schedule and launch the
+    next one ahead when the scheduler can, then update with the first step's output."""
+    launched = None
+    while s.has_work() or launched is not None:
+        if launched is None:
+            out = s.schedule()
+            launched = (out, runner.execute(out))
+        out, result = launched
+        nxt = s.schedule_ahead(out, max_rows)
+        launched = (nxt, runner.execute(nxt)) if nxt is not None else None
+        s.update(out, result)
+
+
+def test_steps_scheduled_ahead_give_the_outputs_of_plain_steps():
+    """Chained steps (each launched before the previous one's update) produce the same tokens
+    and finish reasons as plain steps, with admissions (max_num_seqs), region growth and
+    moves (a small pool), stop tokens and the context limit breaking the chain on the way.
+    The token a stopping sequence got in its last chained step is dropped."""
+    def requests():
+        reqs = make_requests([5, 17, 3, 40, 9, 12], max_tokens=30)
+        reqs[1] = make_requests([17], max_tokens=30, prefix="s")[0]
+        stop_at = reference_output(reqs[1])[6]  # the 7th token stops it
+        reqs[1] = make_requests([17], max_tokens=30, prefix="s", stop_token_ids=(stop_at,))[0]
+        reqs.append(make_requests([25], max_tokens=None, prefix="long")[0])  # ends at the context limit
+        return reqs
+    plain, ahead = requests(), requests()
+    s, runner = make_scheduler(num_slots=512, max_num_seqs=4, initial_decode_slots=4, max_model_len=80)
+    for r in plain:
+        add(s, r)
+    run_to_completion(s, runner)
+    s2, _ = make_scheduler(num_slots=512, max_num_seqs=4, initial_decode_slots=4, max_model_len=80)
+    s2_runner = ChainingFakeRunner(s2.kv.num_slots)
+    for r in ahead:
+        add(s2, r)
+    run_ahead(s2, s2_runner)
+    assert s2_runner.chained > 20
+    assert any(c.num_tokens for step in s2_runner.steps for c in step.kv_copies)  # moves happened
+    for p, a in zip(plain, ahead):
+        assert a.seqs[0].output_token_ids == p.seqs[0].output_token_ids
+        assert (a.seqs[0].finish_reason, a.seqs[0].stop_reason) == (p.seqs[0].finish_reason, p.seqs[0].stop_reason)
+    assert ahead[1].seqs[0].finish_reason is FinishReason.STOP and len(ahead[1].seqs[0].output_token_ids) == 7
+    assert ahead[-1].seqs[0].num_tokens == 80
+    assert s2.kv.usage == 0.0 and not s2.running and not s2.requests
+
+
+def test_schedule_ahead_only_in_steady_decoding():
+    s, runner = make_scheduler(max_num_seqs=2, initial_decode_slots=4)
+    a, b, c = make_requests([6, 6, 6], max_tokens=3)
+    add(s, a)
+    add(s, b)
+    out = s.schedule()  # both prefill
+    assert s.schedule_ahead(out, 8) is None  # prefill rows: their next step is not a decode of each
+    s.update(out, runner.execute(out))
+    out = s.schedule()  # both decode their first token
+    nxt = s.schedule_ahead(out, 8)
+    assert nxt.chained and [r.seq_id for r in nxt.seqs] == [r.seq_id for r in out.seqs]
+    assert [r.start_pos for r in nxt.seqs] == [r.kv_len for r in out.seqs]
+    assert all(r.pending_tokens == 1 and r.sample for r in nxt.seqs)
+    assert s.schedule_ahead(out, 1) is None  # more rows than the runner chains
+    add(s, c)
+    assert s.schedule_ahead(out, 8) is None  # someone waits: admit it in a plain step
+    s.abort(c.request_id)
+    s.update(out, runner.execute(out))
+    out = s.schedule()  # the second decode: the third token ends both by max_tokens
+    assert s.schedule_ahead(out, 8) is None

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import cupy as cp
+import cupyx
 import numpy as np
 
 from kernels_cuda.activation import silu_mul
@@ -121,6 +122,7 @@ class StagedInputs:
         self._pinned = cp.cuda.alloc_pinned_memory(total)
         host_bytes = np.frombuffer(self._pinned, np.uint8, total)
         self.device_bytes = cp.zeros(total, np.uint8)
+        self._uploaded = cp.cuda.Event(disable_timing=True)
         self.host: dict[str, np.ndarray] = {}
         self.dev: dict[str, cp.ndarray] = {}
         self._ends: dict[str, int] = {}
@@ -136,6 +138,33 @@ class StagedInputs:
         n = self.nbytes if upto is None else self._ends[upto]
         cp.cuda.runtime.memcpyAsync(self.device_bytes.data.ptr, self._pinned.ptr, n,
                                     cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
+        self._uploaded.record(stream)
+
+    def writable(self) -> dict[str, np.ndarray]:
+        """The host fields, once the last upload has read them (a step launched ahead fills
+        them while the step before it may not have started)."""
+        self._uploaded.synchronize()
+        return self.host
+
+
+class HostOutputs:
+    """Pinned host copies of a step's sampled ids and logprobs, in two sets used in turn: a
+    step launched ahead copies its outputs out while the host still reads the previous
+    step's. Each set has its step's events: start and end of a decode graph, outputs ready."""
+
+    FIELDS = {"sampled": (np.int32, ()), "lp_value": (np.float32, ()), "lp_rank": (np.int32, ()),
+              "lp_top_ids": (np.int32, (MAX_LOGPROBS,)), "lp_top_values": (np.float32, (MAX_LOGPROBS,))}
+
+    def __init__(self, rows: int) -> None:
+        self.sets = [{name: cupyx.empty_pinned((rows, *inner), dtype) for name, (dtype, inner) in self.FIELDS.items()}
+                     for _ in range(2)]
+        self.events = [(cp.cuda.Event(), cp.cuda.Event(), cp.cuda.Event(disable_timing=True)) for _ in range(2)]
+        self._next = 0
+
+    def take(self) -> int:
+        """The set for the next step."""
+        slot, self._next = self._next, self._next ^ 1
+        return slot
 
 
 @dataclass
@@ -279,7 +308,7 @@ class CudaRunner:
         self.copy_bandwidth = measure_copy_bandwidth(self.stream)  # bytes/s, read + written
         self.weight_bytes = self._weight_bytes()
         self.last_roofline_fraction: float | None = None  # of the last decode step, for /metrics
-        self._step_events = (cp.cuda.Event(), cp.cuda.Event())
+        self._outputs = HostOutputs(self.rows)
         log.info("CUDA runner: %s weights%s, decode buffers %.1f MiB, KV pool %d slots (%.2f GiB, %s), graphs for %s",
                  self.dtype_name, " (layers fp8 e4m3)" if self.quant_fp8 else "", self.buffers.memory_bytes() / 2**20, self.num_kv_slots,
                  self.kv_pool_bytes / 2**30, "fp8 e4m3" if self.kv_fp8 else self.dtype_name,
@@ -633,7 +662,7 @@ class CudaRunner:
         h["top_p"][:n] = [p.top_p for p in params]
         h["min_p"][:n] = [p.min_p for p in params]
         h["seeds"][:n] = [r.rng_seed & 0xFFFFFFFFFFFFFFFF for r in rows]
-        h["counters"][:n] = [len(r.output_token_ids) for r in rows]
+        h["counters"][:n] = [len(r.output_token_ids) + r.pending_tokens for r in rows]
         h["rep_pen"][:n] = [p.repetition_penalty for p in params]
         h["freq_pen"][:n] = [p.frequency_penalty for p in params]
         h["pres_pen"][:n] = [p.presence_penalty for p in params]
@@ -648,7 +677,7 @@ class CudaRunner:
                 h["bias_vals"][i, :nb] = list(p.logit_bias.values())
                 extra = True
             banned = []
-            if len(r.output_token_ids) < p.min_tokens:
+            if len(r.output_token_ids) + r.pending_tokens < p.min_tokens:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos))
             h["banned_n"][i] = len(banned)
             if banned:
@@ -695,11 +724,21 @@ class CudaRunner:
                 self._copy_kv(c.src_start, c.dst_start, c.num_tokens)
         if out.is_empty:
             return lambda: RunnerOutput()
-        decode = (all(r.num_tokens == 1 and r.sample and not r.want_prompt_logprobs for r in out.seqs)
-                  and len(out.seqs) <= self.rows)
-        if decode:
-            return self._submit_decode(out.seqs)
+        if self._decodes(out):
+            return self._submit_decode(out.seqs, out.chained)
+        if out.chained:
+            raise ValueError(f"step {out.step} is chained but not a decode step of <= {self.rows} rows")
         return self._submit_varlen(out.seqs)
+
+    @property
+    def chain_rows(self) -> int:
+        """Rows a step launched ahead may have (Engine._submit_ahead): one decode graph's."""
+        return self.rows
+
+    def _decodes(self, out: SchedulerOutput) -> bool:
+        """Whether a step runs as a decode step (one graph), not through the ragged path."""
+        return (len(out.seqs) <= self.rows
+                and all(r.num_tokens == 1 and r.sample and not r.want_prompt_logprobs for r in out.seqs))
 
     def _copy_kv(self, src: int, dst: int, n: int) -> None:
         if n <= 0:
@@ -711,10 +750,13 @@ class CudaRunner:
                                           n * self._slot_bytes, self.config.num_layers,
                                           cp.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
 
-    def _submit_decode(self, rows: list[ScheduledSeq]) -> Callable[[], RunnerOutput]:
+    def _submit_decode(self, rows: list[ScheduledSeq], chained: bool = False) -> Callable[[], RunnerOutput]:
+        """chained: each row's input token is what the previous step sampled for the same
+        row (still on the device), not row.token_ids."""
         B = len(rows)
         bucket = bucket_for(B)
-        h = self.buffers.inputs.host
+        inputs = self.buffers.inputs
+        h = inputs.writable()
         h["input_ids"][:B] = [r.token_ids[0] for r in rows]
         h["positions"][:B] = [r.start_pos for r in rows]
         h["kv_lens"][:B] = [r.kv_len for r in rows]
@@ -723,47 +765,55 @@ class CudaRunner:
         h["v_ptrs"][:B] = self.v_cache.data.ptr + starts * self._slot_bytes
         extra, want_lp = self._fill_sampling(rows)
         self._fill_padding(B, bucket)
-        inputs = self.buffers.inputs
-        start, end = self._step_events
+        slot = self._outputs.take()
+        start, end, _ = self._outputs.events[slot]
         with self.stream:
             inputs.upload(self.stream, upto=None if extra else "banned_n")
+            if chained:
+                ids = inputs.dev["input_ids"]
+                cp.cuda.runtime.memcpyAsync(ids.data.ptr, self.buffers.sampled.data.ptr, B * ids.itemsize,
+                                            cp.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
             start.record(self.stream)
             if bucket in self.graphs:
                 self.graphs[bucket].launch(self.stream)
             else:
                 self._decode_body(bucket)
             end.record(self.stream)
+            self._download(slot, B, want_lp)
         kv_tokens = int(h["kv_lens"][:B].sum())
 
         def finish() -> RunnerOutput:
-            result = self._collect(rows, list(range(B)), want_lp)  # synchronizes
+            result = self._collect(rows, list(range(B)), want_lp, slot)  # waits for this step only
             seconds = cp.cuda.get_elapsed_time(start, end) * 1e-3
             if seconds > 0:
                 self.last_roofline_fraction = self.decode_step_bytes(kv_tokens) / (seconds * self.copy_bandwidth)
             return result
         return finish
 
-    def _collect(self, rows: list[ScheduledSeq], logit_rows: list[int], want_lp: bool) -> RunnerOutput:
-        """Copy back the sampled ids (and logprobs) of the rows that sample."""
-        b = self.buffers
+    def _download(self, slot: int, n: int, want_lp: bool) -> None:
+        """Queue the copies of the sampled ids (and logprobs) of n rows into host set `slot`."""
+        b, host = self.buffers, self._outputs.sets[slot]
+        names = ("sampled", "lp_value", "lp_rank", "lp_top_ids", "lp_top_values") if want_lp else ("sampled",)
+        for name in names:
+            src = getattr(b, name)[:n]
+            cp.cuda.runtime.memcpyAsync(host[name].ctypes.data, src.data.ptr, src.nbytes,
+                                        cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
+        self._outputs.events[slot][2].record(self.stream)
+
+    def _collect(self, rows: list[ScheduledSeq], logit_rows: list[int], want_lp: bool, slot: int) -> RunnerOutput:
+        """The sampled ids (and logprobs) of the rows that sample, once host set `slot` has them."""
+        self._outputs.events[slot][2].synchronize()
+        host = self._outputs.sets[slot]
         n = len(logit_rows)
         result = RunnerOutput()
-        with self.stream:
-            sampled = cp.asnumpy(b.sampled[:n], stream=self.stream)
-            if want_lp:
-                lp_value = cp.asnumpy(b.lp_value[:n], stream=self.stream)
-                lp_rank = cp.asnumpy(b.lp_rank[:n], stream=self.stream)
-                top_ids = cp.asnumpy(b.lp_top_ids[:n], stream=self.stream)
-                top_values = cp.asnumpy(b.lp_top_values[:n], stream=self.stream)
-            self.stream.synchronize()
+        sampled = host["sampled"][:n].tolist()
         for i, row in zip(range(n), (rows[j] for j in logit_rows)):
-            token = int(sampled[i])
-            result.sampled[row.seq_id] = token
+            result.sampled[row.seq_id] = sampled[i]
             k = row.sampling.logprobs
             if k is not None:
                 result.logprobs[row.seq_id] = TokenLogprobs(
-                    token, float(lp_value[i]), int(lp_rank[i]),
-                    [(int(t), float(v)) for t, v in zip(top_ids[i, :k], top_values[i, :k])])
+                    sampled[i], float(host["lp_value"][i]), int(host["lp_rank"][i]),
+                    [(int(t), float(v)) for t, v in zip(host["lp_top_ids"][i, :k], host["lp_top_values"][i, :k])])
         return result
 
     # ------------------------------------------------------------------ ragged (prefill) steps
@@ -825,12 +875,15 @@ class CudaRunner:
             cp.take(b.norm_out[:T], cp.asarray(last_tok), axis=0, out=b.final_norm_out[:n])
             self._linear(b.final_norm_out[:n], w.lm_head, b.logits[:n])
             sampling_rows = [rows[i] for i in logit_rows]
+            b.inputs.writable()
             extra, want_lp = self._fill_sampling(sampling_rows)
             b.inputs.upload(self.stream, upto=None if extra else "banned_n")
             self._sample(n)
+            slot = self._outputs.take()
+            self._download(slot, n, want_lp)
 
         def finish() -> RunnerOutput:
-            sampled = self._collect(rows, logit_rows, want_lp)  # synchronizes
+            sampled = self._collect(rows, logit_rows, want_lp, slot)
             sampled.prompt_logprobs = result.prompt_logprobs
             return sampled
         return finish
