@@ -148,16 +148,14 @@ class StagedInputs:
 
 
 class HostOutputs:
-    """Pinned host copies of a step's sampled ids and logprobs, in two sets used in turn: a
-    step launched ahead copies its outputs out while the host still reads the previous
-    step's. Each set has its step's events: start and end of a decode graph, outputs ready."""
+    """Pinned host copies of a step's sampled ids and logprobs (mirrors of the device
+    arrays given, same shapes and types), in two sets used in turn: a step launched ahead
+    copies its outputs out while the host still reads the previous step's. Each set has its
+    step's events: start and end of a decode graph, outputs ready."""
 
-    FIELDS = {"sampled": (np.int32, ()), "lp_value": (np.float32, ()), "lp_rank": (np.int32, ()),
-              "lp_top_ids": (np.int32, (MAX_LOGPROBS,)), "lp_top_values": (np.float32, (MAX_LOGPROBS,))}
-
-    def __init__(self, rows: int) -> None:
-        self.sets = [{name: cupyx.empty_pinned((rows, *inner), dtype) for name, (dtype, inner) in self.FIELDS.items()}
-                     for _ in range(2)]
+    def __init__(self, arrays: dict[str, cp.ndarray]) -> None:
+        self.device = arrays
+        self.sets = [{name: cupyx.empty_pinned(a.shape, a.dtype) for name, a in arrays.items()} for _ in range(2)]
         self.events = [(cp.cuda.Event(), cp.cuda.Event(), cp.cuda.Event(disable_timing=True)) for _ in range(2)]
         self._next = 0
 
@@ -308,7 +306,9 @@ class CudaRunner:
         self.copy_bandwidth = measure_copy_bandwidth(self.stream)  # bytes/s, read + written
         self.weight_bytes = self._weight_bytes()
         self.last_roofline_fraction: float | None = None  # of the last decode step, for /metrics
-        self._outputs = HostOutputs(self.rows)
+        b = self.buffers
+        self._outputs = HostOutputs({"sampled": b.sampled, "lp_value": b.lp_value, "lp_rank": b.lp_rank,
+                                     "lp_top_ids": b.lp_top_ids, "lp_top_values": b.lp_top_values})
         log.info("CUDA runner: %s weights%s, decode buffers %.1f MiB, KV pool %d slots (%.2f GiB, %s), graphs for %s",
                  self.dtype_name, " (layers fp8 e4m3)" if self.quant_fp8 else "", self.buffers.memory_bytes() / 2**20, self.num_kv_slots,
                  self.kv_pool_bytes / 2**30, "fp8 e4m3" if self.kv_fp8 else self.dtype_name,
@@ -792,10 +792,11 @@ class CudaRunner:
 
     def _download(self, slot: int, n: int, want_lp: bool) -> None:
         """Queue the copies of the sampled ids (and logprobs) of n rows into host set `slot`."""
-        b, host = self.buffers, self._outputs.sets[slot]
-        names = ("sampled", "lp_value", "lp_rank", "lp_top_ids", "lp_top_values") if want_lp else ("sampled",)
-        for name in names:
-            src = getattr(b, name)[:n]
+        host = self._outputs.sets[slot]
+        for name, dev in self._outputs.device.items():
+            if name != "sampled" and not want_lp:
+                continue
+            src = dev[:n]
             cp.cuda.runtime.memcpyAsync(host[name].ctypes.data, src.data.ptr, src.nbytes,
                                         cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
         self._outputs.events[slot][2].record(self.stream)
