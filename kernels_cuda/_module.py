@@ -142,6 +142,12 @@ def quant_out_args(quant: tuple[cp.ndarray, cp.ndarray] | None, rows: int, cols:
     return 1, (q, scale)
 
 
+def quant_out_target(out: cp.ndarray, quant: tuple | None, codes_only: bool):
+    """The 16-bit out argument of such a kernel: null when only its e4m3 codes are wanted
+    (codes_only with quant; the kernel then leaves out as it was)."""
+    return np.uint64(0) if quant is not None and codes_only else out
+
+
 # ---------------------------------------------------------------------------- launching
 # Kernels go through CuPy's launch, or, with pdl=True, through cuLaunchKernelEx with the
 # programmatic stream-serialization attribute (Hopper's programmatic dependent launch:

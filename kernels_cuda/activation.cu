@@ -9,7 +9,8 @@
 // gate_up (T, 2 * inter) [gate | up] (-DPROD: float32 or 16 bits, common.cuh) -> out (T,
 // inter) 16-bit; rs, cs: the float8 product's scales (common.cuh's dequant), or null.
 // -DQUANT_OUT=1: out also as e4m3 codes q (T, inter) and a scale per row (common.cuh), for
-// the float8 product it feeds; else q and q_scale are unused. One block per row; a thread
+// the float8 product it feeds (out may then be null: the codes only); else q and q_scale
+// are unused. One block per row; a thread
 // takes 8 values at a time (16- or 32-byte loads), all of its groups' loads at once.
 extern "C" __global__ void silu_mul(const prod_t *__restrict__ gate_up, scalar_t *__restrict__ out, int inter,
                                     const float *__restrict__ rs, const float *__restrict__ cs,
@@ -18,8 +19,11 @@ extern "C" __global__ void silu_mul(const prod_t *__restrict__ gate_up, scalar_t
     const long long t = blockIdx.x;
     const prod_t *g = gate_up + t * 2 * inter;
     const prod_t *u = g + inter;
-    scalar_t *o = out + t * inter;
+    scalar_t *o = out != nullptr ? out + t * inter : nullptr;
     const int n8 = inter % 8 == 0 ? min(inter / 8, SILU_VEC * (int)blockDim.x) : 0;
+    auto tail = [&](int i) {  // one value past the 8-value groups
+        return from_float(silu_times(dequant(g[i], rs, cs, t, i), dequant(u[i], rs, cs, t, inter + i)));
+    };
     float held[SILU_VEC][8];
     float m = 0.0f;  // largest |output| of this thread (as rounded to 16 bits)
 #pragma unroll
@@ -39,11 +43,11 @@ extern "C" __global__ void silu_mul(const prod_t *__restrict__ gate_up, scalar_t
             held[v][2 * j] = back.x, held[v][2 * j + 1] = back.y;
             m = fmaxf(m, fmaxf(fabsf(back.x), fabsf(back.y)));
         }
-        reinterpret_cast<vec8 *>(o)[i] = r;
+        if (o != nullptr) reinterpret_cast<vec8 *>(o)[i] = r;
     }
     for (int i = 8 * n8 + threadIdx.x; i < inter; i += blockDim.x) {
-        const scalar_t v = from_float(silu_times(dequant(g[i], rs, cs, t, i), dequant(u[i], rs, cs, t, inter + i)));
-        o[i] = v;
+        const scalar_t v = tail(i);
+        if (o != nullptr) o[i] = v;
         m = fmaxf(m, fabsf(to_float(v)));
     }
 #if QUANT_OUT
@@ -56,7 +60,7 @@ extern "C" __global__ void silu_mul(const prod_t *__restrict__ gate_up, scalar_t
         if (i >= n8) break;
         reinterpret_cast<uint2 *>(qr)[i] = fp8x8(held[v], inv);
     }
-    for (int i = 8 * n8 + threadIdx.x; i < inter; i += blockDim.x)  // this thread's own writes above
-        qr[i] = fp8_from_float(to_float(o[i]) * inv);
+    for (int i = 8 * n8 + threadIdx.x; i < inter; i += blockDim.x)  // the value above, again
+        qr[i] = fp8_from_float(to_float(tail(i)) * inv);
 #endif
 }

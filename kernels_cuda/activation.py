@@ -5,16 +5,17 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
-from ._module import (check, check_scalar, i32, launch, module, prod_kind, quant_out_args, scale_args, threads_for,
-                      use_bf16)
+from ._module import (check, check_scalar, i32, launch, module, prod_kind, quant_out_args, quant_out_target,
+                      scale_args, threads_for, use_bf16)
 
 
 def silu_mul(gate_up: cp.ndarray, out: cp.ndarray | None = None, out_dtype=np.float16,
-             pdl: bool = False, scales: tuple | None = None, quant: tuple | None = None) -> cp.ndarray:
+             pdl: bool = False, scales: tuple | None = None, quant: tuple | None = None,
+             codes_only: bool = False) -> cp.ndarray:
     """gate_up (T, 2 I) a matrix product (float32, float16 or bfloat16) -> out (T, I) 16-bit;
     scales: gate_up is a float8 product's raw sums, (per token, per feature) scales
     (_module.scale_args). quant: (codes, scales) to write out's rows as e4m3 into too
-    (_module.quant_out_args)."""
+    (_module.quant_out_args); with codes_only, into them alone (out is left as it was)."""
     if gate_up.ndim != 2 or gate_up.shape[1] % 2:
         raise ValueError(f"gate_up: expected (T, 2 * inter), got {gate_up.shape}")
     prod = prod_kind(gate_up, "gate_up")
@@ -27,6 +28,7 @@ def silu_mul(gate_up: cp.ndarray, out: cp.ndarray | None = None, out_dtype=np.fl
     quant_out, q_args = quant_out_args(quant, T, inter)
     if T:
         launch(module("activation", USE_BF16=use_bf16(out), PROD=prod, QUANT_OUT=quant_out).get_function("silu_mul"),
-               (T,), (threads_for(inter, 8),), (gate_up, out, i32(inter), *scale_args(scales, T, 2 * inter), *q_args),
-               pdl=pdl)
+               (T,), (threads_for(inter, 8),),
+               (gate_up, quant_out_target(out, quant, codes_only), i32(inter),
+                *scale_args(scales, T, 2 * inter), *q_args), pdl=pdl)
     return out

@@ -13,7 +13,7 @@
 // residual += delta (+ bias) when delta is not null; out = rms_norm(residual) * w. A delta
 // from a float8 product is scaled first: by rsv (the token's scale) and cs (per feature), when
 // cs is not null. -DQUANT_OUT=1: out also as e4m3 codes q and its scale (common.cuh), from the
-// values in registers.
+// values in registers; out may then be null (the codes only).
 __device__ __forceinline__ void norm_row(float *__restrict__ r, const float *__restrict__ d,
                                          const float *__restrict__ bias, const float *__restrict__ w,
                                          scalar_t *__restrict__ out, int hidden, float eps, float rsv,
@@ -58,8 +58,7 @@ __device__ __forceinline__ void norm_row(float *__restrict__ r, const float *__r
         scalar2_t *o = reinterpret_cast<scalar2_t *>(out) + 2 * i;
         const scalar2_t lo = from_float2(v[u].x * inv * g.x, v[u].y * inv * g.y);
         const scalar2_t hi = from_float2(v[u].z * inv * g.z, v[u].w * inv * g.w);
-        o[0] = lo;
-        o[1] = hi;
+        if (out != nullptr) o[0] = lo, o[1] = hi;
         if (QUANT_OUT) {
             const float2 a = to_float2(lo), b = to_float2(hi);
             v[u] = make_float4(a.x, a.y, b.x, b.y);
@@ -68,7 +67,7 @@ __device__ __forceinline__ void norm_row(float *__restrict__ r, const float *__r
     }
     for (int i = 4 * n4 + threadIdx.x; i < hidden; i += blockDim.x) {
         const scalar_t v = from_float(r[i] * inv * w[i]);
-        out[i] = v;
+        if (out != nullptr) out[i] = v;
         m = fmaxf(m, fabsf(to_float(v)));
     }
 #if QUANT_OUT
@@ -80,8 +79,8 @@ __device__ __forceinline__ void norm_row(float *__restrict__ r, const float *__r
         const float f[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
         reinterpret_cast<unsigned *>(q)[i] = fp8x4(f, qinv);
     }
-    for (int i = 4 * n4 + threadIdx.x; i < hidden; i += blockDim.x)  // this thread's own writes above
-        q[i] = fp8_from_float(to_float(out[i]) * qinv);
+    for (int i = 4 * n4 + threadIdx.x; i < hidden; i += blockDim.x)  // the value above, again
+        q[i] = fp8_from_float(to_float(from_float(r[i] * inv * w[i])) * qinv);
 #endif
 }
 
@@ -95,7 +94,7 @@ extern "C" __global__ void rms_norm(const float *__restrict__ x, const float *__
                                     unsigned char *__restrict__ q, float *__restrict__ q_scale) {
     PDL_ENTER();
     const long long row = blockIdx.x;
-    norm_row(const_cast<float *>(x) + row * hidden, nullptr, nullptr, w, out + row * hidden, hidden, eps, 1.0f,
+    norm_row(const_cast<float *>(x) + row * hidden, nullptr, nullptr, w, out ? out + row * hidden : out, hidden, eps, 1.0f,
              nullptr, q + row * hidden, q_scale + row);
 }
 
@@ -108,6 +107,6 @@ extern "C" __global__ void add_rms_norm(float *__restrict__ residual, const floa
                                         unsigned char *__restrict__ q, float *__restrict__ q_scale) {
     PDL_ENTER();
     const long long row = blockIdx.x;
-    norm_row(residual + row * hidden, delta + row * hidden, bias, w, out + row * hidden, hidden, eps,
+    norm_row(residual + row * hidden, delta + row * hidden, bias, w, out ? out + row * hidden : out, hidden, eps,
              rs != nullptr ? rs[row] : 1.0f, rs != nullptr ? cs : nullptr, q + row * hidden, q_scale + row);
 }

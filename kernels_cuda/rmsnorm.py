@@ -5,7 +5,8 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
-from ._module import check, check_scalar, f32, i32, launch, module, ptr_or_null, quant_out_args, scale_args, use_bf16
+from ._module import (check, check_scalar, f32, i32, launch, module, ptr_or_null, quant_out_args, quant_out_target,
+                      scale_args, use_bf16)
 
 THREADS = 512
 
@@ -19,9 +20,11 @@ def _out(out, rows, hidden, dtype):
 
 
 def rms_norm(x: cp.ndarray, weight: cp.ndarray, eps: float, out: cp.ndarray | None = None,
-             out_dtype=np.float16, pdl: bool = False, quant: tuple | None = None) -> cp.ndarray:
+             out_dtype=np.float16, pdl: bool = False, quant: tuple | None = None,
+             codes_only: bool = False) -> cp.ndarray:
     """out (rows, hidden) 16-bit = x / rms(x) * weight; x float32, weight float32. quant:
-    (codes, scales) to write out's rows as e4m3 into too (_module.quant_out_args)."""
+    (codes, scales) to write out's rows as e4m3 into too (_module.quant_out_args); with
+    codes_only, into them alone (out is left as it was)."""
     if x.ndim != 2:
         raise ValueError(f"x: expected (rows, hidden), got {x.shape}")
     rows, hidden = x.shape
@@ -31,17 +34,18 @@ def rms_norm(x: cp.ndarray, weight: cp.ndarray, eps: float, out: cp.ndarray | No
     quant_out, q_args = quant_out_args(quant, rows, hidden)
     if rows:
         launch(module("rmsnorm", USE_BF16=use_bf16(out), QUANT_OUT=quant_out).get_function("rms_norm"),
-               (rows,), (THREADS,), (x, weight, out, i32(hidden), f32(eps), *q_args), pdl=pdl)
+               (rows,), (THREADS,), (x, weight, quant_out_target(out, quant, codes_only), i32(hidden), f32(eps), *q_args),
+               pdl=pdl)
     return out
 
 
 def add_rms_norm(residual: cp.ndarray, delta: cp.ndarray, weight: cp.ndarray, eps: float,
                  out: cp.ndarray | None = None, bias: cp.ndarray | None = None,
                  out_dtype=np.float16, pdl: bool = False, scales: tuple | None = None,
-                 quant: tuple | None = None) -> cp.ndarray:
+                 quant: tuple | None = None, codes_only: bool = False) -> cp.ndarray:
     """residual += delta (+ bias), in place; out = rms_norm(residual) * weight. scales: delta
     is a float8 product's raw sums; (per token, per feature) scales (_module.scale_args).
-    quant: (codes, scales) to write out's rows as e4m3 into too (_module.quant_out_args)."""
+    quant, codes_only: as rms_norm's."""
     if residual.ndim != 2:
         raise ValueError(f"residual: expected (rows, hidden), got {residual.shape}")
     rows, hidden = residual.shape
@@ -54,6 +58,7 @@ def add_rms_norm(residual: cp.ndarray, delta: cp.ndarray, weight: cp.ndarray, ep
     quant_out, q_args = quant_out_args(quant, rows, hidden)
     if rows:
         launch(module("rmsnorm", USE_BF16=use_bf16(out), QUANT_OUT=quant_out).get_function("add_rms_norm"),
-               (rows,), (THREADS,), (residual, delta, ptr_or_null(bias), weight, out, i32(hidden), f32(eps),
+               (rows,), (THREADS,), (residual, delta, ptr_or_null(bias), weight, quant_out_target(out, quant, codes_only),
+                                     i32(hidden), f32(eps),
                                      *scale_args(scales, rows, hidden), *q_args), pdl=pdl)
     return out

@@ -306,7 +306,8 @@ def test_quantize_rows(dtype):
 @pytest.mark.parametrize("long", [False, True], ids=["held", "long"])  # long: rows past what registers hold
 def test_producers_quantize_their_output_for_a_float8_product(dtype, kernel, long):
     """With `quant`, RMSNorm and SiLU * up also write their 16-bit output as e4m3 codes and a
-    scale per row: the bits quantize_rows gives on that output, which stays as it was."""
+    scale per row: the bits quantize_rows gives on that output, which stays as it was; with
+    codes_only, the same codes and the 16-bit output left untouched."""
     from kernels_cuda.activation import silu_mul
     from kernels_cuda.quant import quantize_rows
     from kernels_cuda.rmsnorm import add_rms_norm, rms_norm
@@ -316,15 +317,16 @@ def test_producers_quantize_their_output_for_a_float8_product(dtype, kernel, lon
     x = (rng.standard_normal((T, hidden)) * np.linspace(0.1, 30, T)[:, None]).astype(np.float32)
     x[5] = 0  # a zero row: scale 1
 
-    def run(quant):
+    def run(quant, out=None, codes_only=False):
+        kw = dict(out=out, out_dtype=scalar, quant=quant, codes_only=codes_only)
         if kernel == "silu_mul":
             gate_up = to_dev(rng.standard_normal((T, 2 * inter)).astype(np.float32) * 3, dtype)
             gate_up[5] = 0
-            return silu_mul(gate_up, out_dtype=scalar, quant=quant)
+            return silu_mul(gate_up, **kw)
         w = cp.asarray(rng.uniform(0.5, 1.5, hidden).astype(np.float32))
         if kernel == "rms_norm":
-            return rms_norm(cp.asarray(x), w, 1e-5, out_dtype=scalar, quant=quant)
-        return add_rms_norm(cp.asarray(x), cp.asarray(x * 0.5), w, 1e-5, out_dtype=scalar, quant=quant)
+            return rms_norm(cp.asarray(x), w, 1e-5, **kw)
+        return add_rms_norm(cp.asarray(x), cp.asarray(x * 0.5), w, 1e-5, **kw)
 
     state = rng.bit_generator.state
     plain = run(None)
@@ -336,6 +338,13 @@ def test_producers_quantize_their_output_for_a_float8_product(dtype, kernel, lon
     np.testing.assert_array_equal(cp.asnumpy(q), cp.asnumpy(ref_q))
     np.testing.assert_array_equal(cp.asnumpy(qs), cp.asnumpy(ref_s))
     assert float(qs[5]) == 1.0 and not (cp.asnumpy(q[5]) & 0x7F).any()
+    rng.bit_generator.state = state
+    untouched = cp.full((T, width), 0x1234, np.uint16).view(scalar)
+    q2, qs2 = cp.zeros_like(q), cp.zeros_like(qs)
+    run((q2, qs2), out=untouched, codes_only=True)
+    assert (untouched.view(np.uint16) == 0x1234).all()
+    np.testing.assert_array_equal(cp.asnumpy(q2), cp.asnumpy(q))
+    np.testing.assert_array_equal(cp.asnumpy(qs2), cp.asnumpy(qs))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -524,7 +524,8 @@ class CudaRunner:
         """The decoder layers over the first n rows of the activation buffers; the
         residual stream ends un-added (the last down projection is added by the caller,
         with the scales returned: see _linear). rope: (positions, k_ptrs, v_ptrs) of the n
-        tokens; attention(layer_offset) reads q_rot and writes attn_out."""
+        tokens; attention(layer_offset) reads q_rot and writes attn_out. With float8 products
+        the normed rows and SiLU * up go to them as codes only (_quant_in)."""
         cfg, b, w = self.config, self.buffers, self.weights
         eps = cfg.rms_norm_eps
         fused = self._fused(n)
@@ -534,10 +535,10 @@ class CudaRunner:
         for i, layer in enumerate(w.layers):
             if i == 0:
                 rms_norm(b.embed_out[:n], layer.input_layernorm, eps, out=b.norm_out[:n], pdl=self._launch_pdl,
-                         quant=normed_q)
+                         quant=normed_q, codes_only=True)
             else:
                 add_rms_norm(b.embed_out[:n], b.down_out[:n], layer.input_layernorm, eps, out=b.norm_out[:n],
-                             pdl=self._launch_pdl, scales=down_scales, quant=normed_q)
+                             pdl=self._launch_pdl, scales=down_scales, quant=normed_q, codes_only=True)
             offset = i * self._layer_elems
             rope_in = (positions, self.rope_cos, self.rope_sin, k_ptrs, v_ptrs, offset, cfg.num_heads, cfg.num_kv_heads)
             if fused:
@@ -553,13 +554,15 @@ class CudaRunner:
             scales = self._linear(attn, layer.o_proj, b.o_proj_out[:n],
                                   pdl=self._launch_pdl and attn.nbytes <= O_PROJ_PDL_MAX_INPUT)
             add_rms_norm(b.embed_out[:n], b.o_proj_out[:n], layer.post_attention_layernorm, eps,
-                         out=b.norm_out[:n], bias=layer.o_bias, pdl=self._launch_pdl, scales=scales, quant=normed_q)
+                         out=b.norm_out[:n], bias=layer.o_bias, pdl=self._launch_pdl, scales=scales, quant=normed_q,
+                         codes_only=True)
             if fused:
                 gemv_silu(b.norm_out[:n], layer.gate_up_proj, b.mlp_act[:n], pdl=self._launch_pdl)
             else:
                 gate_up = self._product("gate_up", n)
                 scales = self._linear(b.norm_out[:n], layer.gate_up_proj, gate_up, xq=normed_q)
-                silu_mul(gate_up, out=b.mlp_act[:n], pdl=self._launch_pdl, scales=scales, quant=act_q)
+                silu_mul(gate_up, out=b.mlp_act[:n], pdl=self._launch_pdl, scales=scales, quant=act_q,
+                         codes_only=True)
             down_scales = self._linear(b.mlp_act[:n], layer.down_proj, b.down_out[:n], xq=act_q)
         return down_scales
 
