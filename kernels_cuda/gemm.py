@@ -152,19 +152,33 @@ class _Lt:
         plan = self.plans.get(key)
         if plan is None:
             desc, a, b, c = self._descriptors(M, N, K, out_type)
-            bucket = (max(16, 1 << (M - 1).bit_length()), N, K, out_type, FAST_ACCUM)
+            bucket = self._bucket(key)
             algo = self.algos.get(bucket)
             if algo is None:
-                algo = self.algos[bucket] = self._heuristic(desc, a, b, c, M, N, K)
+                algo = self.algos[bucket] = self._heuristic(desc, a, b, c, M, N, K)[0]
             plan = self.plans[key] = (desc, a, b, c, algo)
         return plan
+
+    @staticmethod
+    def _bucket(key: tuple) -> tuple:
+        """The plan key's power-of-two bucket of rows (at least 16): one algorithm each."""
+        M, *rest = key
+        return (max(16, 1 << (M - 1).bit_length()), *rest)
+
+    def choose(self, M: int, N: int, K: int, out_type: int, algo: "_HeuristicResult") -> None:
+        """Use `algo` for every product of this shape in M's bucket (see tune_gemm_fp8)."""
+        bucket = self._bucket((M, N, K, out_type, FAST_ACCUM))
+        self.algos[bucket] = algo
+        for key, plan in self.plans.items():
+            if self._bucket(key) == bucket:
+                self.plans[key] = (*plan[:4], algo)
 
     def exact(self, M: int, N: int, K: int, out_type: int) -> tuple:
         """The plan with the heuristic's algorithm for exactly M rows (when a bucket's
         algorithm does not run on M)."""
         key = (M, N, K, out_type, FAST_ACCUM)
         desc, a, b, c, _ = self.plans[key]
-        plan = self.plans[key] = (desc, a, b, c, self._heuristic(desc, a, b, c, M, N, K))
+        plan = self.plans[key] = (desc, a, b, c, self._heuristic(desc, a, b, c, M, N, K)[0])
         return plan
 
     def _descriptors(self, M: int, N: int, K: int, out_type: int) -> tuple:
@@ -184,20 +198,28 @@ class _Lt:
             layouts.append(layout)
         return (desc, *layouts)
 
-    def _heuristic(self, desc, a, b, c, M: int, N: int, K: int) -> "_HeuristicResult":
+    def _heuristic(self, desc, a, b, c, M: int, N: int, K: int, count: int = 1) -> list["_HeuristicResult"]:
+        """Up to `count` algorithms, cuBLASLt's best guess first."""
         lib, v = self.lib, ctypes.c_void_p
         pref = v()
         self._ok(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
         ws = ctypes.c_uint64(LT_WORKSPACE_BYTES)
         self._ok(lib.cublasLtMatmulPreferenceSetAttribute(pref, _LT_PREF_MAX_WORKSPACE_BYTES, ctypes.byref(ws),
                                                           ctypes.sizeof(ws)), "cublasLtMatmulPreferenceSetAttribute")
-        result, found = _HeuristicResult(), ctypes.c_int(0)
-        status = lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, a, b, c, c, pref, 1, ctypes.byref(result),
+        results, found = (_HeuristicResult * count)(), ctypes.c_int(0)
+        status = lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, a, b, c, c, pref, count, results,
                                                     ctypes.byref(found))
         if status or found.value < 1:
             raise RuntimeError(f"cuBLASLt has no float8 algorithm for ({M}x{K}) @ ({N}x{K})^T (status {status}); "
                                "--quantization fp8 needs compute capability 8.9+")
-        return result
+        return list(results[:found.value])
+
+    def matmul(self, plan: tuple, algo: "_HeuristicResult", xq: cp.ndarray, w: Fp8Matrix, out: cp.ndarray) -> int:
+        """One product on the current stream; cuBLAS's status."""
+        desc, a, b, c, _ = plan
+        return self.lib.cublasLtMatmul(self.handle, desc, ctypes.byref(_ONE_LT), w.data.data.ptr, a, xq.data.ptr, b,
+                                       ctypes.byref(_ZERO_LT), out.data.ptr, c, out.data.ptr, c, ctypes.byref(algo.algo),
+                                       self.workspace.data.ptr, LT_WORKSPACE_BYTES, cp.cuda.get_current_stream().ptr)
 
 
 _lt: _Lt | None = None
@@ -228,12 +250,53 @@ def gemm_fp8(xq: cp.ndarray, w: Fp8Matrix, out: cp.ndarray) -> cp.ndarray:
     if _lt is None:
         _lt = _Lt()
     for attempt in range(2):
-        desc, a, b, c, result = _lt.plan(M, N, K, out_type) if attempt == 0 else _lt.exact(M, N, K, out_type)
-        status = _lt.lib.cublasLtMatmul(_lt.handle, desc, ctypes.byref(_ONE_LT), w.data.data.ptr, a, xq.data.ptr, b,
-                                        ctypes.byref(_ZERO_LT), out.data.ptr, c, out.data.ptr, c,
-                                        ctypes.byref(result.algo), _lt.workspace.data.ptr, LT_WORKSPACE_BYTES,
-                                        cp.cuda.get_current_stream().ptr)
+        plan = _lt.plan(M, N, K, out_type) if attempt == 0 else _lt.exact(M, N, K, out_type)
+        status = _lt.matmul(plan, plan[4], xq, w, out)
         if status == 0:
             break
     _lt._ok(status, f"cublasLtMatmul ({M}x{K}) @ ({N}x{K})^T")
     return out
+
+
+TUNE_MIN_GAIN = 0.05
+
+
+def tune_gemm_fp8(xq: cp.ndarray, ws: list[Fp8Matrix], out: cp.ndarray, candidates: int = 8,
+                  reps: int = 3) -> list[float]:
+    """Time the algorithms cuBLASLt's heuristic offers for xq @ w^T (gemm_fp8's product) over
+    the matrices ws one after another, as a step runs them (a matrix of each layer: together
+    they do not fit in L2), and keep the fastest for products of this shape in xq's
+    power-of-two bucket of rows. The heuristic's first guess is often not the fastest for the
+    few rows of a decode step (H200, 8B down projection at 128 rows: 25.0 vs 22.8 us).
+    xq should hold data (not zeros). Returns each candidate's microseconds a product (inf for
+    one that does not run), the heuristic's order. The fastest replaces the heuristic's first
+    choice only when faster by TUNE_MIN_GAIN: a smaller gain is within what these timings
+    vary by, and the order of products in a step can reverse it (seen at 32 and 256 rows).
+    """
+    global _lt
+    M, K = xq.shape
+    N = ws[0].shape[0]
+    out_type = _out_type(out, (np.float32, np.uint16))
+    if _lt is None:
+        _lt = _Lt()
+    plan = _lt.plan(M, N, K, out_type)
+    algos = _lt._heuristic(*plan[:4], M, N, K, count=candidates)
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    times = []
+    for algo in algos:
+        if any(_lt.matmul(plan, algo, xq, w, out) for w in ws):  # also the warm-up
+            times.append(float("inf"))
+            continue
+        runs = []
+        for _ in range(reps):
+            start.record()
+            for w in ws:
+                _lt.matmul(plan, algo, xq, w, out)
+            end.record()
+            end.synchronize()
+            runs.append(cp.cuda.get_elapsed_time(start, end) * 1e3 / len(ws))
+        times.append(sorted(runs)[len(runs) // 2])
+    best = min(range(len(algos)), key=times.__getitem__)
+    if times[best] < (1.0 - TUNE_MIN_GAIN) * times[0]:
+        _lt.choose(M, N, K, out_type, algos[best])
+    return times

@@ -21,13 +21,14 @@ __device__ __forceinline__ void norm_row(float *__restrict__ r, const float *__r
                                          float *__restrict__ q_scale) {
     __shared__ float scratch[32];
     const int n4 = hidden % 4 == 0 ? min(hidden / 4, NORM_VEC * (int)blockDim.x) : 0;
-    float4 v[NORM_VEC];
+    float4 v[NORM_VEC], g[NORM_VEC];  // g: the weights, loaded with the row (not after the sum)
     float ss = 0.0f;
 #pragma unroll
     for (int u = 0; u < NORM_VEC; u++) {
         const int i = threadIdx.x + u * blockDim.x;
         if (i >= n4) break;
         v[u] = reinterpret_cast<const float4 *>(r)[i];
+        g[u] = reinterpret_cast<const float4 *>(w)[i];
         if (d != nullptr) {
             float4 e = reinterpret_cast<const float4 *>(d)[i];
             if (cs != nullptr) {
@@ -54,10 +55,9 @@ __device__ __forceinline__ void norm_row(float *__restrict__ r, const float *__r
     for (int u = 0; u < NORM_VEC; u++) {
         const int i = threadIdx.x + u * blockDim.x;
         if (i >= n4) break;
-        const float4 g = reinterpret_cast<const float4 *>(w)[i];
         scalar2_t *o = reinterpret_cast<scalar2_t *>(out) + 2 * i;
-        const scalar2_t lo = from_float2(v[u].x * inv * g.x, v[u].y * inv * g.y);
-        const scalar2_t hi = from_float2(v[u].z * inv * g.z, v[u].w * inv * g.w);
+        const scalar2_t lo = from_float2(v[u].x * inv * g[u].x, v[u].y * inv * g[u].y);
+        const scalar2_t hi = from_float2(v[u].z * inv * g[u].z, v[u].w * inv * g[u].w);
         if (out != nullptr) o[0] = lo, o[1] = hi;
         if (QUANT_OUT) {
             const float2 a = to_float2(lo), b = to_float2(hi);

@@ -513,3 +513,30 @@ def test_flash_decode(kv8, splits, chunk, window, heads, min_blocks, monkeypatch
             ref = p @ v[:, h // (H // KVH)] / p.sum()
             # P and the output pass through 16 bits
             np.testing.assert_allclose(got[b, h], ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
+
+
+def test_tuned_fp8_product_algorithm(monkeypatch):
+    """tune_gemm_fp8 times the heuristic's algorithms over several matrices and keeps the
+    fastest (here whatever its gain) for the shape's bucket of rows: the products of every row
+    count in that bucket then run it, plans made before included, with the sums they had
+    (the same values; another algorithm may add in another order). So does each other
+    candidate the heuristic offers."""
+    from kernels_cuda import gemm as G
+    from kernels_cuda.quant import quantize_matrix, quantize_rows
+    monkeypatch.setattr(G, "TUNE_MIN_GAIN", -1.0)
+    K, N = 2048, 1024
+    ws = [quantize_matrix(to_dev(rng.standard_normal((N, K)).astype(np.float32) * 0.05, "float16")) for _ in range(3)]
+    xq, _ = quantize_rows(to_dev(rng.standard_normal((64, K)).astype(np.float32), "float16"))
+    before = {M: cp.asnumpy(G.gemm_fp8(xq[:M], ws[1], cp.zeros((M, N), np.float32))) for M in (40, 64)}
+    times = G.tune_gemm_fp8(xq, ws, cp.zeros((64, N), np.float32))
+    assert np.isfinite(min(times)) and min(times) > 0
+    bucket = (64, N, K, G.CUDA_R_32F, G.FAST_ACCUM)
+    plan = G._lt.plans[bucket]
+    candidates = G._lt._heuristic(*plan[:4], 64, N, K, count=8)
+    assert bytes(G._lt.algos[bucket]) == bytes(candidates[int(np.argmin(times))])
+    for algo in candidates:
+        G._lt.choose(64, N, K, G.CUDA_R_32F, algo)
+        for M in (40, 64):  # 40: a plan made before the tuning
+            assert bytes(G._lt.plans[(M, N, K, G.CUDA_R_32F, G.FAST_ACCUM)][4]) == bytes(algo)
+            after = cp.asnumpy(G.gemm_fp8(xq[:M], ws[1], cp.zeros((M, N), np.float32)))
+            np.testing.assert_allclose(after, before[M], rtol=1e-3, atol=1e-3 * np.abs(before[M]).max())

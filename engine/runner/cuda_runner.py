@@ -29,7 +29,7 @@ from kernels_cuda.embedding import embedding
 from kernels_cuda.flash_decode import MAX_SPLITS as FLASH_MAX_SPLITS
 from kernels_cuda.flash_decode import flash_decode
 from kernels_cuda.flash_prefill import flash_prefill, tiles
-from kernels_cuda.gemm import gemm, gemm_fp8
+from kernels_cuda.gemm import gemm, gemm_fp8, tune_gemm_fp8
 from kernels_cuda.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from kernels_cuda.gemv import gemv, gemv_rope, gemv_silu
 from kernels_cuda._module import pdl_supported, sm_count
@@ -301,6 +301,8 @@ class CudaRunner:
         self._pen_slots: dict[int, int] = {}
         self._free_pen_slots = list(range(self.rows))  # slot `rows` is the padding rows' spare
         self.graphs: dict[int, cp.cuda.Graph] = {}
+        if self.quant_fp8:
+            self._tune_products()
         if not self.enforce_eager:
             self._capture_graphs()
         self.copy_bandwidth = measure_copy_bandwidth(self.stream)  # bytes/s, read + written
@@ -599,6 +601,32 @@ class CudaRunner:
                      pdl=self._launch_pdl, scales=down_scales)
         self._linear(b.final_norm_out[:n], w.lm_head, b.logits[:n])
         self._sample(n)
+
+    def _tune_products(self) -> None:
+        """--quantization fp8: each layer product's cuBLASLt algorithm for the decode buckets
+        over GEMV_MAX_ROWS rows, timed over the layers' matrices (gemm.tune_gemm_fp8) instead of
+        the heuristic's first guess; its input holds random e4m3 codes while timed."""
+        cfg, b, layers = self.config, self.buffers, self.weights.layers
+        sizes = [m for m in BUCKETS if GEMV_MAX_ROWS < m <= self.rows]
+        if not sizes:
+            return
+        with self.stream:
+            n = max(sizes) * max(cfg.hidden_size, cfg.q_size, cfg.intermediate_size)
+            codes = cp.random.randint(0, 0x7E, n, dtype=np.uint8)  # no NaN codes (0x7F, 0xFF)
+            b.act_q[:n] = codes | (cp.random.randint(0, 2, n, dtype=np.uint8) << 7)
+            saved = 0.0  # us a step against the heuristic's first choices, at the largest size
+            for m in sizes:
+                for name, width, out in (("qkv_proj", cfg.hidden_size, self._product("qkv", m)),
+                                         ("o_proj", cfg.q_size, b.o_proj_out[:m]),
+                                         ("gate_up_proj", cfg.hidden_size, self._product("gate_up", m)),
+                                         ("down_proj", cfg.intermediate_size, b.down_out[:m])):
+                    times = tune_gemm_fp8(b.act_q[:m * width].reshape(m, width), [getattr(x, name) for x in layers], out)
+                    log.debug("fp8 %s at %d rows: %s us", name, m, ", ".join(f"{t:.1f}" for t in times))
+                    if m == sizes[-1]:
+                        saved += (times[0] - min(times)) * len(layers)
+            self.stream.synchronize()
+        log.info("fp8 products: cuBLASLt algorithms timed for %s rows (%.0f us a step saved at %d)", sizes, saved,
+                 sizes[-1])
 
     def _capture_graphs(self) -> None:
         """One graph of _decode_body per bucket, its kernels launched with programmatic
