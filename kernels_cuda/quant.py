@@ -8,10 +8,7 @@ from dataclasses import dataclass
 import cupy as cp
 import numpy as np
 
-from ._module import check, i32, launch, module, use_bf16
-
-THREADS = 256
-
+from ._module import check, i32, launch, module, threads_for, use_bf16
 
 @dataclass
 class Fp8Matrix:
@@ -42,7 +39,7 @@ def quantize_rows(x: cp.ndarray, q: cp.ndarray | None = None, scale: cp.ndarray 
     check(q, "q", np.uint8, (rows, K))
     check(scale, "scale", np.float32, (rows,))
     if rows:
-        launch(module("quant", USE_BF16=use_bf16(x)).get_function("quantize_rows"), (rows,), (THREADS,),
+        launch(module("quant", USE_BF16=use_bf16(x)).get_function("quantize_rows"), (rows,), (threads_for(K, 8),),
                (x, q, scale, i32(K)), pdl=pdl)
     return q, scale
 

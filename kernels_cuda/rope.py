@@ -6,7 +6,7 @@ import cupy as cp
 import numpy as np
 
 from ._module import (check, check_scalar, i32, i64, launch, module, prod_kind, ptr_or_null, scale_args,
-                      use_bf16)
+                      threads_for, use_bf16)
 
 
 def check_rope_args(T: int, width: int, positions: cp.ndarray, cos: cp.ndarray, sin: cp.ndarray,
@@ -48,6 +48,7 @@ def rope_kv_write(qkv: cp.ndarray, positions: cp.ndarray, cos: cp.ndarray, sin: 
     if T:
         launch(module("rope", USE_BF16=use_bf16(q_out), HEAD_DIM=head_dim, KV_FP8=int(kv_fp8),
                       PROD=prod).get_function("rope_kv_write"),
-               (T,), (256,), (qkv, ptr_or_null(bias), positions, cos, sin, q_out, k_ptrs, v_ptrs, i64(layer_offset),
+               (T,), (threads_for((num_heads + num_kv_heads) * head_dim // 2, 4),),
+               (qkv, ptr_or_null(bias), positions, cos, sin, q_out, k_ptrs, v_ptrs, i64(layer_offset),
                               i32(num_heads), i32(num_kv_heads), *scale_args(scales, T, width)), pdl=pdl)
     return q_out
