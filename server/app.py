@@ -36,6 +36,11 @@ from .protocol import (
 from .settings import ServeSettings
 
 log = logging.getLogger("cuserve.server")
+# One event of a streamed response, as documented (schema tools read `schema` of text/event-stream
+# as one event before OpenAPI 3.2): data is a JSON chunk of the response, or [DONE] last.
+SSE_EVENT = {"type": "object", "required": ["data"],
+             "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"},
+                            "retry": {"type": "integer", "minimum": 0}}}
 
 
 class ServerState:
@@ -224,7 +229,7 @@ def create_app(settings: ServeSettings, engine: Engine | None = None,
         """OpenAPI responses of a route: its 200 body and the errors it may return."""
         ok: dict = {"model": model} if model is not None else {}
         if stream:
-            ok["content"] = {"text/event-stream": {"schema": {"type": "string"}}}
+            ok["content"] = {"text/event-stream": {"schema": SSE_EVENT}}
         return {200: ok, **{code: {"model": ErrorResponse} for code in statuses}}
 
     @app.get("/health", response_model=None, responses={200: {"model": HealthResponse},
