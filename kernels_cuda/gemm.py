@@ -262,14 +262,15 @@ TUNE_MIN_GAIN = 0.05
 
 
 def tune_gemm_fp8(xq: cp.ndarray, ws: list[Fp8Matrix], out: cp.ndarray, candidates: int = 8,
-                  reps: int = 3) -> list[float]:
+                  reps: int = 3) -> tuple[list[float], int]:
     """Time the algorithms cuBLASLt's heuristic offers for xq @ w^T (gemm_fp8's product) over
     the matrices ws one after another, as a step runs them (a matrix of each layer: together
     they do not fit in L2), and keep the fastest for products of this shape in xq's
     power-of-two bucket of rows. The heuristic's first guess is often not the fastest for the
     few rows of a decode step (H200, 8B down projection at 128 rows: 25.0 vs 22.8 us).
     xq should hold data (not zeros). Returns each candidate's microseconds a product (inf for
-    one that does not run), the heuristic's order. The fastest replaces the heuristic's first
+    one that does not run; the heuristic's order) and the index of the one now used (0: the
+    heuristic's first choice). The fastest replaces the heuristic's first
     choice only when faster by TUNE_MIN_GAIN: a smaller gain is within what these timings
     vary by, and the order of products in a step can reverse it (seen at 32 and 256 rows).
     """
@@ -297,6 +298,7 @@ def tune_gemm_fp8(xq: cp.ndarray, ws: list[Fp8Matrix], out: cp.ndarray, candidat
             runs.append(cp.cuda.get_elapsed_time(start, end) * 1e3 / len(ws))
         times.append(sorted(runs)[len(runs) // 2])
     best = min(range(len(algos)), key=times.__getitem__)
-    if times[best] < (1.0 - TUNE_MIN_GAIN) * times[0]:
-        _lt.choose(M, N, K, out_type, algos[best])
-    return times
+    if not times[best] < (1.0 - TUNE_MIN_GAIN) * times[0]:
+        return times, 0
+    _lt.choose(M, N, K, out_type, algos[best])
+    return times, best

@@ -528,8 +528,8 @@ def test_tuned_fp8_product_algorithm(monkeypatch):
     ws = [quantize_matrix(to_dev(rng.standard_normal((N, K)).astype(np.float32) * 0.05, "float16")) for _ in range(3)]
     xq, _ = quantize_rows(to_dev(rng.standard_normal((64, K)).astype(np.float32), "float16"))
     before = {M: cp.asnumpy(G.gemm_fp8(xq[:M], ws[1], cp.zeros((M, N), np.float32))) for M in (40, 64)}
-    times = G.tune_gemm_fp8(xq, ws, cp.zeros((64, N), np.float32))
-    assert np.isfinite(min(times)) and min(times) > 0
+    times, used = G.tune_gemm_fp8(xq, ws, cp.zeros((64, N), np.float32))
+    assert np.isfinite(min(times)) and min(times) > 0 and times[used] == min(times)
     bucket = (64, N, K, G.CUDA_R_32F, G.FAST_ACCUM)
     plan = G._lt.plans[bucket]
     candidates = G._lt._heuristic(*plan[:4], 64, N, K, count=8)

@@ -614,19 +614,19 @@ class CudaRunner:
             n = max(sizes) * max(cfg.hidden_size, cfg.q_size, cfg.intermediate_size)
             codes = cp.random.randint(0, 0x7E, n, dtype=np.uint8)  # no NaN codes (0x7F, 0xFF)
             b.act_q[:n] = codes | (cp.random.randint(0, 2, n, dtype=np.uint8) << 7)
-            saved = 0.0  # us a step against the heuristic's first choices, at the largest size
+            saved = dict.fromkeys(sizes, 0.0)  # us a step against the heuristic's first choices
             for m in sizes:
                 for name, width, out in (("qkv_proj", cfg.hidden_size, self._product("qkv", m)),
                                          ("o_proj", cfg.q_size, b.o_proj_out[:m]),
                                          ("gate_up_proj", cfg.hidden_size, self._product("gate_up", m)),
                                          ("down_proj", cfg.intermediate_size, b.down_out[:m])):
-                    times = tune_gemm_fp8(b.act_q[:m * width].reshape(m, width), [getattr(x, name) for x in layers], out)
-                    log.debug("fp8 %s at %d rows: %s us", name, m, ", ".join(f"{t:.1f}" for t in times))
-                    if m == sizes[-1]:
-                        saved += (times[0] - min(times)) * len(layers)
+                    xq = b.act_q[:m * width].reshape(m, width)
+                    times, used = tune_gemm_fp8(xq, [getattr(x, name) for x in layers], out)
+                    log.debug("fp8 %s at %d rows: %s us, #%d used", name, m, ", ".join(f"{t:.1f}" for t in times), used)
+                    saved[m] += (times[0] - times[used]) * len(layers)
             self.stream.synchronize()
-        log.info("fp8 products: cuBLASLt algorithms timed for %s rows (%.0f us a step saved at %d)", sizes, saved,
-                 sizes[-1])
+        log.info("fp8 products: cuBLASLt algorithms timed; us a step saved by rows: %s",
+                 ", ".join(f"{m}: {us:.0f}" for m, us in saved.items()))
 
     def _capture_graphs(self) -> None:
         """One graph of _decode_body per bucket, its kernels launched with programmatic
