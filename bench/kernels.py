@@ -223,7 +223,8 @@ def decode_table(shape_name: str, batches: list[int], context: int, pdl: bool | 
             step.append((time.perf_counter() - t0) * 1e3)
         t_step = statistics.median(step)
         kv_bytes = B * context * cfg.kv_bytes_per_token(runner.kv_dtype.itemsize)
-        rows.append(f"{shape_name} pdl={runner.pdl:d} kv={kv_dtype} w={quantization or '16'} B={B:<4d} ctx={context}: graph {t_graph:7.3f} ms "
+        rows.append(f"{shape_name} pdl={runner.pdl:d} kv={kv_dtype} w={quantization or '16'} B={B:<4d} "
+                    f"ctx={context}: graph {t_graph:7.3f} ms "
                     f"({(weight_bytes + kv_bytes) / t_graph / 1e6:6.0f} GB/s of weights+KV), runner.execute "
                     f"{t_step:7.3f} ms -> {B / t_step * 1e3:9.1f} tok/s")
     del runner

@@ -225,7 +225,9 @@ __device__ __forceinline__ unsigned short fp8x2_from_floats(float lo, float hi) 
     asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
     return r;
 }
-__device__ __forceinline__ unsigned char fp8_from_float(float x) { return (unsigned char)(fp8x2_from_floats(x, 0.0f) & 0xff); }
+__device__ __forceinline__ unsigned char fp8_from_float(float x) {
+    return (unsigned char)(fp8x2_from_floats(x, 0.0f) & 0xff);
+}
 // two e4m3 bytes (lower byte first) -> two 16-bit values in one word, exactly
 __device__ __forceinline__ unsigned fp8x2_to_scalar2(unsigned short v) {
     unsigned h;
@@ -268,24 +270,34 @@ __device__ __forceinline__ float quant_inv(float m, float *scale, float *scratch
 __device__ __forceinline__ unsigned fp8x4(const float f[4], float inv) {
     return fp8x2_from_floats(f[0] * inv, f[1] * inv) | ((unsigned)fp8x2_from_floats(f[2] * inv, f[3] * inv) << 16);
 }
-__device__ __forceinline__ uint2 fp8x8(const float f[8], float inv) { return make_uint2(fp8x4(f, inv), fp8x4(f + 4, inv)); }
+__device__ __forceinline__ uint2 fp8x8(const float f[8], float inv) {
+    return make_uint2(fp8x4(f, inv), fp8x4(f + 4, inv));
+}
 
 // One row of 16-bit values (K a multiple of 8) -> e4m3 codes and its scale, by a whole block:
 // quant.cu's quantize_rows (the weights at load, the activations before a float8 product).
+// A thread keeps its first 8 values in registers for the second pass (all of them when the
+// block has a thread per 8 values, as quantize_rows launches it); the rest are read again.
 __device__ __forceinline__ void quantize_row(const scalar_t *__restrict__ x, unsigned char *__restrict__ q,
                                              float *__restrict__ scale, int K, float *scratch) {
     const vec8 *xr = reinterpret_cast<const vec8 *>(x);
     uint2 *qr = reinterpret_cast<uint2 *>(q);
-    const int n8 = K / 8;
-    float m = 0.0f;
-    for (int i = threadIdx.x; i < n8; i += blockDim.x) {
+    const int n8 = K / 8, first = threadIdx.x;
+    float held[8], m = 0.0f;
+    if (first < n8) vec8_to_float(xr[first], held);
+    for (int i = first + blockDim.x; i < n8; i += blockDim.x) {
         float f[8];
         vec8_to_float(xr[i], f);
 #pragma unroll
         for (int j = 0; j < 8; j++) m = fmaxf(m, fabsf(f[j]));
     }
+    if (first < n8) {
+#pragma unroll
+        for (int j = 0; j < 8; j++) m = fmaxf(m, fabsf(held[j]));
+    }
     const float inv = quant_inv(m, scale, scratch);
-    for (int i = threadIdx.x; i < n8; i += blockDim.x) {
+    if (first < n8) qr[first] = fp8x8(held, inv);
+    for (int i = first + blockDim.x; i < n8; i += blockDim.x) {
         float f[8];
         vec8_to_float(xr[i], f);
         qr[i] = fp8x8(f, inv);

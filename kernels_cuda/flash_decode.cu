@@ -19,10 +19,11 @@
 // partials into the output: no separate reduce kernel. Maxima are in the log2 domain.
 //
 // -DHEAD_DIM (multiple of 16; of 32 with KV_FP8), -DGROUP (query heads per KV head, <= 16),
-// -DCHUNK (the shortest split, a multiple of KEYS), -DMIN_BLOCKS (launch bounds), -DKV_FP8 (e4m3 cache: the byte tiles stay as they arrive and
-// each lane converts its own fragments, with keys and dims permuted inside a tile so that a
-// lane reads whole 32-bit words). Dynamic shared memory: flash_decode.smem_bytes(). KV pool layout:
-// (layers, slots, kv_heads, HEAD_DIM); row b's keys start at k_ptrs[b] + layer_offset.
+// -DCHUNK (the shortest split, a multiple of KEYS), -DMIN_BLOCKS (launch bounds), -DKV_FP8
+// (e4m3 cache: the byte tiles stay as they arrive and each lane converts its own fragments,
+// with keys and dims permuted inside a tile so that a lane reads whole 32-bit words).
+// Dynamic shared memory: flash_decode.smem_bytes(). KV pool layout: (layers, slots,
+// kv_heads, HEAD_DIM); row b's keys start at k_ptrs[b] + layer_offset.
 #include "common.cuh"
 
 #ifndef HEAD_DIM

@@ -125,6 +125,7 @@ class _Lt:
         lib.cublasLtMatrixLayoutCreate.argtypes = [ctypes.POINTER(v), i, u64, u64, i64]
         lib.cublasLtMatmulPreferenceCreate.argtypes = [ctypes.POINTER(v)]
         lib.cublasLtMatmulPreferenceSetAttribute.argtypes = [v, i, v, sz]
+        lib.cublasLtMatmulPreferenceDestroy.argtypes = [v]
         lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [v, v, v, v, v, v, v, i, ctypes.POINTER(_HeuristicResult),
                                                        ctypes.POINTER(i)]
         lib.cublasLtMatmul.argtypes = [v, v, v, v, v, v, v, v, v, v, v, v, v, v, sz, v]
@@ -209,6 +210,7 @@ class _Lt:
         results, found = (_HeuristicResult * count)(), ctypes.c_int(0)
         status = lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, a, b, c, c, pref, count, results,
                                                     ctypes.byref(found))
+        lib.cublasLtMatmulPreferenceDestroy(pref)
         if status or found.value < 1:
             raise RuntimeError(f"cuBLASLt has no float8 algorithm for ({M}x{K}) @ ({N}x{K})^T (status {status}); "
                                "--quantization fp8 needs compute capability 8.9+")
@@ -218,12 +220,21 @@ class _Lt:
         """One product on the current stream; cuBLAS's status."""
         desc, a, b, c, _ = plan
         return self.lib.cublasLtMatmul(self.handle, desc, ctypes.byref(_ONE_LT), w.data.data.ptr, a, xq.data.ptr, b,
-                                       ctypes.byref(_ZERO_LT), out.data.ptr, c, out.data.ptr, c, ctypes.byref(algo.algo),
-                                       self.workspace.data.ptr, LT_WORKSPACE_BYTES, cp.cuda.get_current_stream().ptr)
+                                       ctypes.byref(_ZERO_LT), out.data.ptr, c, out.data.ptr, c,
+                                       ctypes.byref(algo.algo), self.workspace.data.ptr, LT_WORKSPACE_BYTES,
+                                       cp.cuda.get_current_stream().ptr)
 
 
 _lt: _Lt | None = None
 _ONE_LT, _ZERO_LT = ctypes.c_float(1.0), ctypes.c_float(0.0)
+
+
+def _lt_handle() -> _Lt:
+    """The process's cuBLASLt state, made on first use."""
+    global _lt
+    if _lt is None:
+        _lt = _Lt()
+    return _lt
 
 
 def gemm_fp8(xq: cp.ndarray, w: Fp8Matrix, out: cp.ndarray) -> cp.ndarray:
@@ -233,7 +244,6 @@ def gemm_fp8(xq: cp.ndarray, w: Fp8Matrix, out: cp.ndarray) -> cp.ndarray:
     carry 3 mantissa bits to bfloat16's 8); K and N multiples of 16. The product
     of the scaled matrices is out * x_scale[:, None] * w.scale[None, :]: the caller hands
     (x_scale, w.scale) to whichever kernel reads out (their `scales` argument)."""
-    global _lt
     if xq.ndim != 2 or xq.shape[1] != w.shape[1]:
         raise ValueError(f"gemm_fp8: x {xq.shape} and w {w.shape} do not chain")
     M, K = xq.shape
@@ -247,14 +257,13 @@ def gemm_fp8(xq: cp.ndarray, w: Fp8Matrix, out: cp.ndarray) -> cp.ndarray:
     check(out, "out", out.dtype, (M, N))
     if M == 0:
         return out
-    if _lt is None:
-        _lt = _Lt()
+    lt = _lt_handle()
     for attempt in range(2):
-        plan = _lt.plan(M, N, K, out_type) if attempt == 0 else _lt.exact(M, N, K, out_type)
-        status = _lt.matmul(plan, plan[4], xq, w, out)
+        plan = lt.plan(M, N, K, out_type) if attempt == 0 else lt.exact(M, N, K, out_type)
+        status = lt.matmul(plan, plan[4], xq, w, out)
         if status == 0:
             break
-    _lt._ok(status, f"cublasLtMatmul ({M}x{K}) @ ({N}x{K})^T")
+    lt._ok(status, f"cublasLtMatmul ({M}x{K}) @ ({N}x{K})^T")
     return out
 
 
@@ -270,29 +279,27 @@ def tune_gemm_fp8(xq: cp.ndarray, ws: list[Fp8Matrix], out: cp.ndarray, candidat
     few rows of a decode step (H200, 8B down projection at 128 rows: 25.0 vs 22.8 us).
     xq should hold data (not zeros). Returns each candidate's microseconds a product (inf for
     one that does not run; the heuristic's order) and the index of the one now used (0: the
-    heuristic's first choice). The fastest replaces the heuristic's first
-    choice only when faster by TUNE_MIN_GAIN: a smaller gain is within what these timings
-    vary by, and the order of products in a step can reverse it (seen at 32 and 256 rows).
+    heuristic's first choice). The fastest replaces the heuristic's first choice only when
+    faster by TUNE_MIN_GAIN: a smaller gain is within what these timings vary by, and the
+    order of products in a step can reverse it (seen at 32 and 256 rows).
     """
-    global _lt
     M, K = xq.shape
     N = ws[0].shape[0]
     out_type = _out_type(out, (np.float32, np.uint16))
-    if _lt is None:
-        _lt = _Lt()
-    plan = _lt.plan(M, N, K, out_type)
-    algos = _lt._heuristic(*plan[:4], M, N, K, count=candidates)
+    lt = _lt_handle()
+    plan = lt.plan(M, N, K, out_type)
+    algos = lt._heuristic(*plan[:4], M, N, K, count=candidates)
     start, end = cp.cuda.Event(), cp.cuda.Event()
     times = []
     for algo in algos:
-        if any(_lt.matmul(plan, algo, xq, w, out) for w in ws):  # also the warm-up
+        if any(lt.matmul(plan, algo, xq, w, out) for w in ws):  # also the warm-up
             times.append(float("inf"))
             continue
         runs = []
         for _ in range(reps):
             start.record()
             for w in ws:
-                _lt.matmul(plan, algo, xq, w, out)
+                lt.matmul(plan, algo, xq, w, out)
             end.record()
             end.synchronize()
             runs.append(cp.cuda.get_elapsed_time(start, end) * 1e3 / len(ws))
@@ -300,5 +307,5 @@ def tune_gemm_fp8(xq: cp.ndarray, ws: list[Fp8Matrix], out: cp.ndarray, candidat
     best = min(range(len(algos)), key=times.__getitem__)
     if not times[best] < (1.0 - TUNE_MIN_GAIN) * times[0]:
         return times, 0
-    _lt.choose(M, N, K, out_type, algos[best])
+    lt.choose(M, N, K, out_type, algos[best])
     return times, best

@@ -10,6 +10,7 @@ import numpy as np
 
 from ._module import check, i32, launch, module, threads_for, use_bf16
 
+
 @dataclass
 class Fp8Matrix:
     """A weight matrix W (N, K) as e4m3 codes and a scale per row: W ~ data * scale[:, None]."""

@@ -94,8 +94,8 @@ extern "C" __global__ void rms_norm(const float *__restrict__ x, const float *__
                                     unsigned char *__restrict__ q, float *__restrict__ q_scale) {
     PDL_ENTER();
     const long long row = blockIdx.x;
-    norm_row(const_cast<float *>(x) + row * hidden, nullptr, nullptr, w, out ? out + row * hidden : out, hidden, eps, 1.0f,
-             nullptr, q + row * hidden, q_scale + row);
+    norm_row(const_cast<float *>(x) + row * hidden, nullptr, nullptr, w, out ? out + row * hidden : out, hidden, eps,
+             1.0f, nullptr, q + row * hidden, q_scale + row);
 }
 
 // residual += delta (+ bias); out = rms_norm(residual) * w.  bias may be null; rs, cs: the

@@ -34,8 +34,8 @@ def rms_norm(x: cp.ndarray, weight: cp.ndarray, eps: float, out: cp.ndarray | No
     quant_out, q_args = quant_out_args(quant, rows, hidden)
     if rows:
         launch(module("rmsnorm", USE_BF16=use_bf16(out), QUANT_OUT=quant_out).get_function("rms_norm"),
-               (rows,), (THREADS,), (x, weight, quant_out_target(out, quant, codes_only), i32(hidden), f32(eps), *q_args),
-               pdl=pdl)
+               (rows,), (THREADS,),
+               (x, weight, quant_out_target(out, quant, codes_only), i32(hidden), f32(eps), *q_args), pdl=pdl)
     return out
 
 
@@ -58,7 +58,7 @@ def add_rms_norm(residual: cp.ndarray, delta: cp.ndarray, weight: cp.ndarray, ep
     quant_out, q_args = quant_out_args(quant, rows, hidden)
     if rows:
         launch(module("rmsnorm", USE_BF16=use_bf16(out), QUANT_OUT=quant_out).get_function("add_rms_norm"),
-               (rows,), (THREADS,), (residual, delta, ptr_or_null(bias), weight, quant_out_target(out, quant, codes_only),
-                                     i32(hidden), f32(eps),
-                                     *scale_args(scales, rows, hidden), *q_args), pdl=pdl)
+               (rows,), (THREADS,),
+               (residual, delta, ptr_or_null(bias), weight, quant_out_target(out, quant, codes_only), i32(hidden),
+                f32(eps), *scale_args(scales, rows, hidden), *q_args), pdl=pdl)
     return out

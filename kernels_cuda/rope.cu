@@ -1,8 +1,8 @@
 // RoPE (HF's rotate-half layout; llama3 / linear scaling are in the cos/sin table)
 // fused with the KV-cache write. Reads the QKV product of one layer (-DPROD: float32 or 16
 // bits, common.cuh), adds the q/k/v bias if the model has one, rotates q and k, writes q
-// (16-bit) for attention and k, v into each token's KV slot. After a float8 product (--quantization fp8) the
-// sums are scaled first (rs, cs: common.cuh's dequant).
+// (16-bit) for attention and k, v into each token's KV slot. After a float8 product
+// (--quantization fp8) the sums are scaled first (rs, cs: common.cuh's dequant).
 //
 // -DHEAD_DIM (even), -DKV_FP8 (the cache's element, common.cuh). KV pool layout: (layers, slots, kv_heads, HEAD_DIM); a token's
 // K row is at k_ptrs[t] + layer_offset + position * kv_heads * HEAD_DIM (elements).

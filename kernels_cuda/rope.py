@@ -50,5 +50,5 @@ def rope_kv_write(qkv: cp.ndarray, positions: cp.ndarray, cos: cp.ndarray, sin: 
                       PROD=prod).get_function("rope_kv_write"),
                (T,), (threads_for((num_heads + num_kv_heads) * head_dim // 2, 4),),
                (qkv, ptr_or_null(bias), positions, cos, sin, q_out, k_ptrs, v_ptrs, i64(layer_offset),
-                              i32(num_heads), i32(num_kv_heads), *scale_args(scales, T, width)), pdl=pdl)
+                i32(num_heads), i32(num_kv_heads), *scale_args(scales, T, width)), pdl=pdl)
     return q_out

@@ -243,7 +243,6 @@ class CudaRunner:
         self.engine_config = config
         self.enforce_eager = config.enforce_eager
         self.stream = cp.cuda.Stream(non_blocking=True)
-        # programmatic dependent launch: kernels overlap their launch with the previous one's tail
         # programmatic dependent launch in the decode graphs (Hopper+); _launch_pdl is whether
         # the kernels launched now use it: only while capturing (see _capture_graphs)
         self.pdl = pdl_supported() if pdl is None else pdl
@@ -312,8 +311,8 @@ class CudaRunner:
         self._outputs = HostOutputs({"sampled": b.sampled, "lp_value": b.lp_value, "lp_rank": b.lp_rank,
                                      "lp_top_ids": b.lp_top_ids, "lp_top_values": b.lp_top_values})
         log.info("CUDA runner: %s weights%s, decode buffers %.1f MiB, KV pool %d slots (%.2f GiB, %s), graphs for %s",
-                 self.dtype_name, " (layers fp8 e4m3)" if self.quant_fp8 else "", self.buffers.memory_bytes() / 2**20, self.num_kv_slots,
-                 self.kv_pool_bytes / 2**30, "fp8 e4m3" if self.kv_fp8 else self.dtype_name,
+                 self.dtype_name, " (layers fp8 e4m3)" if self.quant_fp8 else "", self.buffers.memory_bytes() / 2**20,
+                 self.num_kv_slots, self.kv_pool_bytes / 2**30, "fp8 e4m3" if self.kv_fp8 else self.dtype_name,
                  sorted(self.graphs) or "none (eager)")
 
     # ------------------------------------------------------------------ setup
@@ -509,8 +508,8 @@ class CudaRunner:
     def _quant_in(self, n: int, width: int) -> tuple | None:
         """Steps whose products run on float8 codes (--quantization fp8, more than
         GEMV_MAX_ROWS rows): the (codes, scales) buffers that RMSNorm and SiLU * up fill
-        along with their 16-bit output (their `quant`), so the product after them needs no
-        quantize_rows of its own; else None."""
+        instead of their 16-bit output (their `quant`, `codes_only`), so the product after
+        them needs no quantize_rows of its own; else None."""
         if not self.quant_fp8 or n <= GEMV_MAX_ROWS:
             return None
         b = self.buffers
