@@ -19,9 +19,11 @@
 // partials into the output: no separate reduce kernel. Maxima are in the log2 domain.
 //
 // -DHEAD_DIM (multiple of 16; of 32 with KV_FP8), -DGROUP (query heads per KV head, <= 16),
-// -DCHUNK (the shortest split, a multiple of KEYS), -DMIN_BLOCKS (launch bounds), -DKV_FP8
-// (e4m3 cache: the byte tiles stay as they arrive and each lane converts its own fragments,
-// with keys and dims permuted inside a tile so that a lane reads whole 32-bit words).
+// -DCHUNK (the shortest split, a multiple of KEYS), -DWHOLE (rows of at most that many keys
+// take one split: a short row's serial tiles cost less than the partials and the combine),
+// -DMIN_BLOCKS (launch bounds), -DKV_FP8 (e4m3 cache: the byte tiles stay as they arrive and
+// each lane converts its own fragments, with keys and dims permuted inside a tile so that a
+// lane reads whole 32-bit words).
 // Dynamic shared memory: flash_decode.smem_bytes(). KV pool layout: (layers, slots,
 // kv_heads, HEAD_DIM); row b's keys start at k_ptrs[b] + layer_offset.
 #include "common.cuh"
@@ -36,6 +38,9 @@
 #define CHUNK 256
 #endif
 #define THREADS 128
+#ifndef WHOLE  // a row of at most WHOLE keys takes them in one split, however short CHUNK is
+#define WHOLE 0
+#endif
 #ifndef MIN_BLOCKS  // blocks an SM to fit (flash_decode.py: 4 for large fp8 grids, 128 registers a thread)
 #define MIN_BLOCKS 1
 #endif
@@ -83,7 +88,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_decode_c
     const int kv_len = kv_lens[b];
     const int first = window_start(kv_len, window);
     const int span = kv_len - first;
-    const int chunk = max(CHUNK, (span + max_splits * KEYS - 1) / (max_splits * KEYS) * KEYS);
+    int chunk = max(CHUNK, (span + max_splits * KEYS - 1) / (max_splits * KEYS) * KEYS);
+    if (span <= WHOLE) chunk = max(chunk, (span + KEYS - 1) / KEYS * KEYS);  // one split: no partials
     const int start = first + split * chunk;
     const int end = min(kv_len, start + chunk);
     if (start >= end) return;  // past this row's keys (a padding row has none)

@@ -22,7 +22,9 @@
 //
 // Weights do not depend on the previous kernel: before waiting for it (programmatic
 // dependent launch), a block asks the L2 to fetch the first `prefetch` bytes of its rows,
-// so the start of the stream overlaps the kernels before this one.
+// so the start of the stream overlaps the kernels before this one. With -DPRELOAD=1 (rows
+// that fit in one pass of the warps, gemv.py's preload) it loads that first pass into
+// registers instead, and then only waits for x.
 #include "common.cuh"
 
 #ifndef WARPS
@@ -30,6 +32,9 @@
 #endif
 #ifndef DEPTH
 #define DEPTH 8  // chunks a warp loads per pass
+#endif
+#ifndef PRELOAD  // load the first pass's weights before waiting for the previous kernel (gemv.py)
+#define PRELOAD 0
 #endif
 
 // -DW_FP8=1 (--quantization fp8): W holds e4m3 codes and a float32 scale per row (wscale);
@@ -54,20 +59,35 @@ typedef scalar_t w_t;
 // load, two for e4m3 weights). CHECKED: some chunk may reach past K (those loads are skipped and
 // read as zero). The 16-bit form is kept apart, written as it was before e4m3 weights:
 // nvcc unrolls the loops around it more (a common form cost 8B decode graphs ~9 % at 1-16
-// rows on the H200).
-template <bool WIDE, int TILES, bool CHECKED>
+// rows on the H200). LOADED: wv already holds the pass's weights (load_weights, before the
+// wait for the previous kernel: see skinny); else each weight load goes with its x load.
+template <int TILES, bool CHECKED>
+__device__ __forceinline__ void load_weights(const uint4 *const wrow[TILES], uint4 wv[TILES][DEPTH / TILES], int c0,
+                                             int q, int groups) {
+#pragma unroll
+    for (int u = 0; u < DEPTH / TILES; u++) {
+        const int k8 = (c0 + u * WARPS) * 4 + q;  // this lane's 16-byte group of weights
+        const bool ok = !CHECKED || k8 < groups;
+#pragma unroll
+        for (int t = 0; t < TILES; t++) wv[t][u] = ok ? __ldcs(wrow[t] + k8) : make_uint4(0, 0, 0, 0);
+    }
+}
+
+template <bool WIDE, int TILES, bool CHECKED, bool LOADED>
 __device__ __forceinline__ void skinny_pass(const uint4 *const wrow[TILES], const uint4 *xrow, const uint4 *xrow2,
-                                            float c[TILES][4], int c0, int q, int groups) {
+                                            float c[TILES][4], int c0, int q, int groups,
+                                            uint4 wv[TILES][DEPTH / TILES]) {
     constexpr int D = DEPTH / TILES;
     const uint4 zero = make_uint4(0, 0, 0, 0);
 #if W_FP8
-    uint4 wv[TILES][D], xv[D][2], yv[D][2];
+    uint4 xv[D][2], yv[D][2];
 #pragma unroll
     for (int u = 0; u < D; u++) {
         const int k8 = (c0 + u * WARPS) * 4 + q;  // this lane's 16-byte group of weights
         const bool ok = !CHECKED || k8 < groups;
+        if (!LOADED)
 #pragma unroll
-        for (int t = 0; t < TILES; t++) wv[t][u] = ok ? __ldcs(wrow[t] + k8) : zero;
+            for (int t = 0; t < TILES; t++) wv[t][u] = ok ? __ldcs(wrow[t] + k8) : zero;
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             xv[u][h] = ok ? __ldg(xrow + 2 * k8 + h) : zero;
@@ -90,13 +110,14 @@ __device__ __forceinline__ void skinny_pass(const uint4 *const wrow[TILES], cons
         }
     }
 #else
-    uint4 wv[TILES][D], xv[D], yv[D];
+    uint4 xv[D], yv[D];
 #pragma unroll
     for (int u = 0; u < D; u++) {
         const int k8 = (c0 + u * WARPS) * 4 + q;  // this lane's 16-byte group of k
         const bool ok = !CHECKED || k8 < groups;
+        if (!LOADED)
 #pragma unroll
-        for (int t = 0; t < TILES; t++) wv[t][u] = ok ? __ldcs(wrow[t] + k8) : zero;
+            for (int t = 0; t < TILES; t++) wv[t][u] = ok ? __ldcs(wrow[t] + k8) : zero;
         xv[u] = ok ? __ldg(xrow + k8) : zero;
         yv[u] = WIDE && ok ? __ldg(xrow2 + k8) : zero;
     }
@@ -249,25 +270,47 @@ __device__ __forceinline__ void skinny(const scalar_t *__restrict__ x, const w_t
         wrow[t] = reinterpret_cast<const uint4 *>(w + (n < N ? n : 0) * K);
     }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (prefetch > 0 && threadIdx.x < 8 * TILES) {
+    // With PRELOAD the first pass (WARPS * DEPTH / TILES chunks of 64 bytes a row) comes to
+    // registers below, so the L2 is asked for the bytes after it.
+    const int skip = PRELOAD ? min(WARPS * (DEPTH / TILES) * 64, K * (int)sizeof(w_t)) : 0;
+    const int ask = min(prefetch, K * (int)sizeof(w_t) - skip);
+    if (ask > 0 && threadIdx.x < 8 * TILES) {
         const long long pn = epi.row(blockIdx.x, threadIdx.x);
         if (pn < N)
-            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(w + pn * K), "r"(prefetch) : "memory");
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(
+                             reinterpret_cast<const char *>(w + pn * K) + skip), "r"(ask) : "memory");
     }
 #endif
-    PDL_ENTER();
     const int groups = W_FP8 ? K >> 4 : K >> 3;  // 16-byte groups of weights in a row
     const int chunks = (groups + 3) >> 2, whole = groups >> 2;
+    constexpr int D = DEPTH / TILES;
+    uint4 wv[TILES][D];
+    int c0 = warp;
+#if PRELOAD
+    // The first pass's weights go to registers before the wait: nothing writes them, so
+    // their fetch overlaps the end of the kernel before this one.
+    const bool first_whole = c0 + (D - 1) * WARPS < whole;
+    if (first_whole)
+        load_weights<TILES, false>(wrow, wv, c0, q, groups);
+    else
+        load_weights<TILES, true>(wrow, wv, c0, q, groups);
+#endif
+    PDL_ENTER();
     const uint4 *xrow = reinterpret_cast<const uint4 *>(x + (long long)(g < B ? g : 0) * K);
     const uint4 *xrow2 = reinterpret_cast<const uint4 *>(x + (long long)(g + 8 < B ? g + 8 : 0) * K);
     float c[TILES][4];
 #pragma unroll
     for (int t = 0; t < TILES; t++) c[t][0] = c[t][1] = c[t][2] = c[t][3] = 0.0f;
-    constexpr int D = DEPTH / TILES;
-    int c0 = warp;
+#if PRELOAD
+    if (first_whole)
+        skinny_pass<WIDE, TILES, false, true>(wrow, xrow, xrow2, c, c0, q, groups, wv);
+    else if (c0 < chunks)
+        skinny_pass<WIDE, TILES, true, true>(wrow, xrow, xrow2, c, c0, q, groups, wv);
+    c0 += WARPS * D;
+#endif
     for (; c0 + (D - 1) * WARPS < whole; c0 += WARPS * D)
-        skinny_pass<WIDE, TILES, false>(wrow, xrow, xrow2, c, c0, q, groups);
-    for (; c0 < chunks; c0 += WARPS * D) skinny_pass<WIDE, TILES, true>(wrow, xrow, xrow2, c, c0, q, groups);
+        skinny_pass<WIDE, TILES, false, false>(wrow, xrow, xrow2, c, c0, q, groups, wv);
+    for (; c0 < chunks; c0 += WARPS * D) skinny_pass<WIDE, TILES, true, false>(wrow, xrow, xrow2, c, c0, q, groups, wv);
     // sum the warps in order
     __shared__ float part[WARPS][4 * TILES][32];
 #pragma unroll

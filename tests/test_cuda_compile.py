@@ -20,13 +20,14 @@ ARCHS = ("-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,
 FP8_ARCHS = ("-gencode", "arch=compute_90,code=sm_90")  # the e4m3 conversions need sm_89+
 # per family, the -D constant sets it is built with at run time (a representative few)
 VARIANTS = {"flash_decode": [{"HEAD_DIM": 64, "GROUP": 3}, {"HEAD_DIM": 128, "GROUP": 4},
-                             {"HEAD_DIM": 128, "GROUP": 4, "KV_FP8": 1}],
+                             {"HEAD_DIM": 128, "GROUP": 4, "KV_FP8": 1, "WHOLE": 256}],
             "flash_prefill": [{"HEAD_DIM": 64}, {"HEAD_DIM": 128}, {"HEAD_DIM": 128, "KV_FP8": 1}],
             "rope": [{"HEAD_DIM": 64}, {"HEAD_DIM": 128}, {"HEAD_DIM": 64, "KV_FP8": 1}, {"HEAD_DIM": 128, "PROD": 1},
                      {"HEAD_DIM": 128, "PROD": 2, "KV_FP8": 1}, {"HEAD_DIM": 36, "PROD": 2, "KV_FP8": 1}],
             "activation": [{}, {"PROD": 1}, {"PROD": 2}, {"PROD": 2, "QUANT_OUT": 1}],  # common.cuh
             "rmsnorm": [{}, {"QUANT_OUT": 1}],
-            "gemv": [{}, {"HEAD_DIM": 64, "KV_FP8": 1}, {"DEPTH": 4}, {"W_FP8": 1}, {"W_FP8": 1, "DEPTH": 4}]}
+            "gemv": [{}, {"HEAD_DIM": 64, "KV_FP8": 1}, {"DEPTH": 4}, {"W_FP8": 1}, {"W_FP8": 1, "DEPTH": 4},
+                     {"PRELOAD": 1}, {"PRELOAD": 1, "W_FP8": 1}]}
 FP8_ONLY = {"quant"}  # families that are all e4m3
 
 

@@ -203,6 +203,24 @@ def test_gemv_configs(config, B):
         np.testing.assert_allclose(cp.asnumpy(out), ref, rtol=1e-4, atol=2e-3 * np.sqrt(K / 264))
 
 
+@pytest.mark.parametrize("wfp8", [False, True], ids=["w16", "w8"])
+def test_gemv_weights_loaded_before_the_wait(wfp8, monkeypatch):
+    """A block's first pass of weights loaded before it waits for the previous kernel
+    (PRELOAD, used where a row fits in that pass) gives the bits of the plain kernel, also
+    where the row takes several passes and a partial last one."""
+    import kernels_cuda.gemv as gv
+    for K in (272, 528, 4112):
+        for B in (1, 6, 13):
+            x = to_dev(rng.standard_normal((B, K)).astype(np.float32), "float16")
+            w = maybe_fp8(to_dev(rng.standard_normal((77, K)).astype(np.float32), "float16"), wfp8)
+            outs = []
+            for early in (False, True):
+                monkeypatch.setattr(gv, "preload", lambda *args, early=early: early)
+                outs.append(cp.asnumpy(gv.gemv(x, w)))
+            assert np.isfinite(outs[0]).all() and outs[0].any()
+            np.testing.assert_array_equal(outs[1], outs[0])
+
+
 def maybe_fp8(w: cp.ndarray, wfp8: bool):
     """w itself, or w quantized to e4m3 rows (--quantization fp8)."""
     from kernels_cuda.quant import quantize_matrix
@@ -463,15 +481,17 @@ def test_readers_take_a_16_bit_product(kernel, prod, fp8):
 
 
 @pytest.mark.parametrize("kv8", [False, True], ids=["kv16", "kv8"])
-@pytest.mark.parametrize("splits,chunk,window,heads,min_blocks", [
-    (6, 128, 0, (8, 2), 1), (2, 128, 0, (8, 2), 1), (1, 256, 0, (8, 2), 1), (3, 128, 300, (8, 2), 1),
-    (2, 128, 0, (16, 1), 1), (1, 256, 0, (8, 2), 4), (3, 128, 300, (8, 2), 4)])
-def test_flash_decode(kv8, splits, chunk, window, heads, min_blocks, monkeypatch):
+@pytest.mark.parametrize("splits,chunk,window,heads,min_blocks,whole", [
+    (6, 128, 0, (8, 2), 1, 0), (2, 128, 0, (8, 2), 1, 0), (1, 256, 0, (8, 2), 1, 0), (3, 128, 300, (8, 2), 1, 0),
+    (2, 128, 0, (16, 1), 1, 0), (1, 256, 0, (8, 2), 4, 0), (3, 128, 300, (8, 2), 4, 0), (6, 128, 0, (8, 2), 1, 256),
+    (3, 128, 300, (8, 2), 1, 320)])
+def test_flash_decode(kv8, splits, chunk, window, heads, min_blocks, whole, monkeypatch):
     """Split-KV decode attention against softmax(q k^T * scale) v in float64: rows of various
     lengths (0: a padding row) in `splits` splits of `chunk` keys, or longer ones where those do
     not cover a row (2 splits for 1,000 keys: two of 512); `window`: sliding-window attention;
     16 query heads a KV head (all 16 rows of the tile live); min_blocks 4: the launch bounds of
-    large fp8 grids, forced on this small one."""
+    large fp8 grids, forced on this small one; `whole`: rows of at most that many keys (after
+    the window) take one split, which writes no partials."""
     import kernels_cuda.flash_decode as fd
     from kernels_cuda.flash_decode import flash_decode
     if min_blocks != 1:
@@ -498,8 +518,18 @@ def test_flash_decode(kv8, splits, chunk, window, heads, min_blocks, monkeypatch
     scale = D ** -0.5
     for _ in range(2):  # the counters are back to zero for the next launch
         flash_decode(q_dev, kp, vp, cp.asarray(lens), 0, KVH, part_o, part_ml, counters, out, scale, chunk=chunk,
-                     window=window, kv_fp8=kv8)
+                     window=window, kv_fp8=kv8, whole=whole)
     assert not counters.any()
+
+    def split_count(span: int) -> int:  # the kernel's plan for a row
+        length = max(chunk, -(-span // (splits * 64)) * 64)
+        if span <= whole:
+            length = max(length, -(-span // 64) * 64)
+        return -(-span // length)
+
+    spans = np.minimum(lens, window) if window else lens
+    partials = cp.asnumpy(part_ml[:, :, :, 1]).any(axis=(1, 2))  # a split wrote its sum
+    np.testing.assert_array_equal(partials, [split_count(int(n)) > 1 for n in spans])
     got = cp.asnumpy(out).astype(np.float64)
     qr = rounded(q, "float16").astype(np.float64)
     for b, n in enumerate(lens):

@@ -61,20 +61,32 @@ GRAPH_RESERVE_BYTES = 512 << 20  # left free for cuBLAS workspaces and graph ins
 O_PROJ_PDL_MAX_INPUT = 16 << 10
 
 
-def decode_split_plan(rows: int, kv_heads: int, max_model_len: int, resident_blocks: int) -> tuple[int, int]:
-    """(shortest split in keys, splits a row at most) of the flash-decode grid for a step of
-    `rows` rows. Shortest split: 128 keys up to 16 rows, so that a short context still
-    spreads over several blocks (B=1, 8 KV heads, 512 keys: 32 blocks rather than 16 of
-    256), 256 from 32 rows on. Splits: as many as fill the GPU's resident blocks once with
-    rows x KV heads x splits, so a step of many rows, whose blocks already fill it, takes
-    each row in one or two long splits (fewer blocks, fewer partials to combine: H200,
-    Llama-3-8B shape, 128 rows of 576 keys, one split against three of 256: 88.5 vs 97.7 us
-    a layer, fp8 K/V 71.6 vs 84.9); no more than the longest context needs, at most
-    MAX_SPLITS (the kernel lengthens the splits of longer contexts). (H200 decode graphs at
-    B=1: 64-key splits were no better at 512 tokens and worse at 2,048.)"""
+# Steps of up to 16 rows take a row of at most this many keys in one split (see decode_split_plan).
+WHOLE_KEYS = 256
+
+
+def decode_split_plan(rows: int, kv_heads: int, max_model_len: int,
+                      resident_blocks: int) -> tuple[int, int, int]:
+    """(shortest split in keys, splits a row at most, keys a row takes in one split) of the
+    flash-decode grid for a step of `rows` rows. Shortest split: 128 keys up to 16 rows, so
+    that a short context still spreads over several blocks (B=1, 8 KV heads, 512 keys: 32
+    blocks rather than 16 of 256), 256 from 32 rows on. Splits: as many as fill the GPU's
+    resident blocks once with rows x KV heads x splits, so a step of many rows, whose blocks
+    already fill it, takes each row in one or two long splits (fewer blocks, fewer partials
+    to combine: H200, Llama-3-8B shape, 128 rows of 576 keys, one split against three of
+    256: 88.5 vs 97.7 us a layer, fp8 K/V 71.6 vs 84.9); no more than the longest context
+    needs, at most MAX_SPLITS (the kernel lengthens the splits of longer contexts). (H200
+    decode graphs at B=1: 64-key splits were no better at 512 tokens and worse at 2,048.)
+    Up to 16 rows, a row of at most WHOLE_KEYS keys still takes one split: its few serial
+    tiles cost less than writing partials and combining them (H200 decode graphs, SmolLM2
+    at 160 keys: B=1 0.558 -> 0.500 ms a step, B=8 0.606 -> 0.556; Llama-3-8B at 256 keys:
+    B=1 4.748 -> 4.706. SmolLM2 at 257 keys gained from one split of up to 384 too, 0.565
+    -> 0.535, but one of 512 keys lost, 0.556 -> 0.598, and 384 was not measured on 8B).
+    """
     shortest = 128 if rows <= 16 else 256
     fill = -(-resident_blocks // (rows * kv_heads))
-    return shortest, max(1, min(FLASH_MAX_SPLITS, -(-max_model_len // shortest), fill))
+    return (shortest, max(1, min(FLASH_MAX_SPLITS, -(-max_model_len // shortest), fill)),
+            WHOLE_KEYS if rows <= 16 else 0)
 
 
 def bucket_for(n: int) -> int:
@@ -269,7 +281,7 @@ class CudaRunner:
         self.max_model_len = sched.model_len(cfg)
         self.rows = bucket_for(sched.max_num_seqs)  # decode rows, a bucket
         self.max_tokens = max(sched.max_num_batched_tokens, self.rows)
-        # flash-decode split plan per graph bucket: (shortest split, splits); 4 blocks an SM
+        # flash-decode split plan per graph bucket: (shortest split, splits, one-split keys); 4 blocks an SM
         # are resident (its registers and shared memory)
         resident = 4 * sm_count()
         self.splits = {}
@@ -277,7 +289,7 @@ class CudaRunner:
             self.splits[bucket] = decode_split_plan(bucket, cfg.num_kv_heads, self.max_model_len, resident)
             if bucket >= self.rows:
                 break
-        self.max_splits = max(s for _, s in self.splits.values())
+        self.max_splits = max(s for _, s, _ in self.splits.values())
 
         with self.stream:
             given = isinstance(weights, ModelWeights)
@@ -371,7 +383,7 @@ class CudaRunner:
         cfg, R, A = self.config, self.rows, self.max_tokens
         H, D, V = cfg.num_heads, cfg.head_dim, cfg.vocab_size
         s = self.scalar
-        parts = max(min(bucket, R) * H * splits for bucket, (_, splits) in self.splits.items())
+        parts = max(min(bucket, R) * H * splits for bucket, (_, splits, _) in self.splits.items())
         fields = {
             "input_ids": (np.int32, ()), "positions": (np.int32, ()), "kv_lens": (np.int32, ()),
             "k_ptrs": (np.int64, ()), "v_ptrs": (np.int64, ()),
@@ -571,13 +583,13 @@ class CudaRunner:
                           offset: int) -> None:
         """Split-KV attention of n one-token rows, with the split plan of their bucket."""
         cfg, b = self.config, self.buffers
-        chunk, splits = self.splits[bucket_for(n)]
+        chunk, splits, whole = self.splits[bucket_for(n)]
         H, D = cfg.num_heads, cfg.head_dim
         part_o = b.part_o[:n * H * splits * D].reshape(n, H, splits, D)
         part_ml = b.part_ml[:n * H * splits * 2].reshape(n, H, splits, 2)
         flash_decode(q, k_ptrs, v_ptrs, kv_lens, offset, cfg.num_kv_heads, part_o, part_ml, b.attn_counters[:n],
                      b.attn_out[:n], cfg.softmax_scale, chunk, cfg.sliding_window or 0, pdl=self._launch_pdl,
-                     kv_fp8=self.kv_fp8)
+                     kv_fp8=self.kv_fp8, whole=whole)
 
     def _sample(self, n: int) -> None:
         b, d = self.buffers, self.buffers.inputs.dev
