@@ -406,14 +406,15 @@ __device__ __forceinline__ kv_t *kv_row(const long long *ptrs, long long t, long
 // K and V rows of keys n0 .. n0 + ROWS - 1 into shared memory with cp.async (16 bytes a
 // copy, by the block's NTHREADS threads): row r lands at dk / dv + r * stride (kv_t elements, a multiple of
 // 16 bytes). Keys from `limit` on are zeros (never NaN times 0 in P V) and read key
-// `fallback`'s address, which must be mapped.
+// `fallback`'s address, which must be mapped. Key `skip` is left alone (not copied).
 template <int ROWS, int DIM, int NTHREADS>
 __device__ __forceinline__ void load_kv_tile(kv_t *dk, kv_t *dv, int stride, const kv_t *kb, const kv_t *vb,
-                                             long long kv_stride, int n0, int limit, int fallback) {
+                                             long long kv_stride, int n0, int limit, int fallback, int skip = -1) {
     constexpr int PIECES = DIM * (int)sizeof(kv_t) / 16, PER = 16 / (int)sizeof(kv_t);
 #pragma unroll
     for (int i = threadIdx.x; i < ROWS * PIECES; i += NTHREADS) {
         const int r = i / PIECES, c = (i % PIECES) * PER, key = n0 + r;
+        if (key == skip) continue;
         const bool ok = key < limit;
         const long long off = (long long)(ok ? key : fallback) * kv_stride + c;
         cp_async16(dk + r * stride + c, kb + off, ok);

@@ -83,7 +83,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_decode_c
     int *__restrict__ counters,             // (B, kv_heads), zero between launches
     scalar_t *__restrict__ out,             // (B, H, HEAD_DIM)
     int num_heads, int num_kv_heads, int max_splits, int window, float scale) {
-    PDL_ENTER();
+    // Before the wait for the previous kernel (the QKV product, which writes q and this
+    // step's K/V row) only the step's inputs and K/V rows of earlier steps are read.
     const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
     const int kv_len = kv_lens[b];
     const int first = window_start(kv_len, window);
@@ -92,7 +93,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_decode_c
     if (span <= WHOLE) chunk = max(chunk, (span + KEYS - 1) / KEYS * KEYS);  // one split: no partials
     const int start = first + split * chunk;
     const int end = min(kv_len, start + chunk);
-    if (start >= end) return;  // past this row's keys (a padding row has none)
+    if (start >= end) return;  // past this row's keys (a padding row has none); nothing written
     const int splits = (span + chunk - 1) / chunk;  // <= max_splits
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, qd = lane & 3;
@@ -111,29 +112,39 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_decode_c
     float *scratch_a = reinterpret_cast<float *>(sK), *scratch_b = reinterpret_cast<float *>(sV);
 #endif
 
+    const long long kv_stride = (long long)num_kv_heads * HEAD_DIM;
+    const kv_t *kb = reinterpret_cast<const kv_t *>(k_ptrs[b]) + layer_offset + kvh * HEAD_DIM;
+    const kv_t *vb = reinterpret_cast<const kv_t *>(v_ptrs[b]) + layer_offset + kvh * HEAD_DIM;
+    const int n_tiles = (end - start + KEYS - 1) / KEYS;
+#if KV_FP8
+    auto k_tile = [&](int t) { return st + (t & 1) * 2 * KEYS * SROW; };
+    auto v_tile = [&](int t) { return st + ((t & 1) * 2 + 1) * KEYS * SROW; };
+    constexpr int STRIDE = SROW;
+#else
+    auto k_tile = [&](int t) { return sK + (t & 1) * KEYS * LDS; };
+    auto v_tile = [&](int t) { return sV + (t & 1) * KEYS * LDS; };
+    constexpr int STRIDE = LDS;
+#endif
+    auto load_kv = [&](int t, int skip) {  // tile t: keys start + t * KEYS .., but key `skip`
+        load_kv_tile<KEYS, HEAD_DIM, THREADS>(k_tile(t), v_tile(t), STRIDE, kb, vb, kv_stride, start + t * KEYS, end,
+                                              start, skip);
+    };
+    // Tile 0 but this step's own key (kv_len - 1) before the wait: earlier steps wrote it.
+    const int own = kv_len - 1;
+    const bool own_in_first = own < start + KEYS;
+    load_kv(0, own_in_first ? own : -1);
+    cp_async_commit();
+    PDL_ENTER();
     for (int i = tid; i < 16 * VEC; i += THREADS) {
         const int r = i / VEC, c = (i % VEC) * 8;
         const bool ok = r < GROUP;
         cp_async16(sQ + r * LDS + c, q + (row0 + (ok ? r : 0)) * HEAD_DIM + c, ok);
     }
+    if (own_in_first)  // the own key's row, where tile 0 left it out
+        load_kv_tile<1, HEAD_DIM, THREADS>(k_tile(0) + (own - start) * STRIDE, v_tile(0) + (own - start) * STRIDE,
+                                           STRIDE, kb, vb, kv_stride, own, own + 1, start);
     cp_async_commit();
-    const long long kv_stride = (long long)num_kv_heads * HEAD_DIM;
-    const kv_t *kb = reinterpret_cast<const kv_t *>(k_ptrs[b]) + layer_offset + kvh * HEAD_DIM;
-    const kv_t *vb = reinterpret_cast<const kv_t *>(v_ptrs[b]) + layer_offset + kvh * HEAD_DIM;
-    const int n_tiles = (end - start + KEYS - 1) / KEYS;
-    auto load_kv = [&](int t) {  // tile t: keys start + t * KEYS ..
-#if KV_FP8
-        kv_t *dk = st + (t & 1) * 2 * KEYS * SROW;
-        load_kv_tile<KEYS, HEAD_DIM, THREADS>(dk, dk + KEYS * SROW, SROW, kb, vb, kv_stride, start + t * KEYS, end,
-                                              start);
-#else
-        load_kv_tile<KEYS, HEAD_DIM, THREADS>(sK + (t & 1) * KEYS * LDS, sV + (t & 1) * KEYS * LDS, LDS, kb, vb,
-                                              kv_stride, start + t * KEYS, end, start);
-#endif
-    };
-    load_kv(0);
-    cp_async_commit();
-    cp_async_wait<1>();  // Q has landed
+    cp_async_wait<0>();  // Q and tile 0 have landed
     __syncthreads();
 
     unsigned qf[KSTEPS][4];
@@ -158,7 +169,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_decode_c
     const float scale2 = scale * 1.4426950408889634f;
 
     for (int t = 0; t < n_tiles; t++) {
-        if (t + 1 < n_tiles) load_kv(t + 1);
+        if (t + 1 < n_tiles) load_kv(t + 1, -1);
         cp_async_commit();
         cp_async_wait<1>();  // tile t has landed
         __syncthreads();
