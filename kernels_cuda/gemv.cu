@@ -36,6 +36,17 @@
 #ifndef PRELOAD  // load the first pass's weights before waiting for the previous kernel (gemv.py)
 #define PRELOAD 0
 #endif
+#ifndef NORM_IN  // x computed in the block by a residual add + RMSNorm (see NormIn)
+#define NORM_IN 0
+#endif
+#ifndef NORM_THREADS
+#define NORM_THREADS 512  // rmsnorm.py's THREADS: the folded norm sums as those blocks do
+#endif
+#if NORM_IN  // x rows in shared memory: plain loads
+#define X_LOAD(p) (*(p))
+#else
+#define X_LOAD(p) __ldg(p)
+#endif
 
 // -DW_FP8=1 (--quantization fp8): W holds e4m3 codes and a float32 scale per row (wscale);
 // a lane's 16-byte load then brings 16 k-values, widened exactly to the 16-bit type for the
@@ -90,8 +101,8 @@ __device__ __forceinline__ void skinny_pass(const uint4 *const wrow[TILES], cons
             for (int t = 0; t < TILES; t++) wv[t][u] = ok ? __ldcs(wrow[t] + k8) : zero;
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            xv[u][h] = ok ? __ldg(xrow + 2 * k8 + h) : zero;
-            yv[u][h] = WIDE && ok ? __ldg(xrow2 + 2 * k8 + h) : zero;
+            xv[u][h] = ok ? X_LOAD(xrow + 2 * k8 + h) : zero;
+            yv[u][h] = WIDE && ok ? X_LOAD(xrow2 + 2 * k8 + h) : zero;
         }
     }
 #pragma unroll
@@ -118,8 +129,8 @@ __device__ __forceinline__ void skinny_pass(const uint4 *const wrow[TILES], cons
         if (!LOADED)
 #pragma unroll
             for (int t = 0; t < TILES; t++) wv[t][u] = ok ? __ldcs(wrow[t] + k8) : zero;
-        xv[u] = ok ? __ldg(xrow + k8) : zero;
-        yv[u] = WIDE && ok ? __ldg(xrow2 + k8) : zero;
+        xv[u] = ok ? X_LOAD(xrow + k8) : zero;
+        yv[u] = WIDE && ok ? X_LOAD(xrow2 + k8) : zero;
     }
 #pragma unroll
     for (int u = 0; u < D; u++) {
@@ -256,9 +267,62 @@ struct RopeKV {  // weight rows [q (H heads) | k (KVH) | v (KVH)] of HEAD_DIM; H
     }
 };
 
+// -DNORM_IN=1: the product's input rows are not read from x but made by each block, as
+// rmsnorm.cu's add_rms_norm makes them (the same bits): res (+ delta + bias, where delta is
+// not null) normed with weights w, into shared memory; block 0 writes res + delta (+ bias) to
+// res_out where that is not null. The block takes the rows one at a time and sums their
+// float4s in the order of an add_rms_norm block of NORM_THREADS threads: K / 4 <= NORM_THREADS,
+// K % 4 == 0, NORM_THREADS a multiple of 32 WARPS.
+struct NormIn {
+    const float *res, *delta, *bias, *w;
+    float eps;
+    float *res_out;
+};
+
+__device__ __forceinline__ void norm_into(const NormIn &n, scalar_t *xs, int B, int K) {
+    constexpr int PER = (NORM_THREADS + WARPS * 32 - 1) / (WARPS * 32);  // norm threads a thread stands for
+    __shared__ float sums[NORM_THREADS / 32];  // the norm block's warp sums
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n4 = K / 4;
+    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int r = 0; r < B; r++) {  // the block on one row at a time: its loads all at once
+        const float4 *res = reinterpret_cast<const float4 *>(n.res + (long long)r * K);
+        const float4 *del = n.delta != nullptr ? reinterpret_cast<const float4 *>(n.delta + (long long)r * K) : nullptr;
+        const float4 *bias = reinterpret_cast<const float4 *>(n.bias);
+        float4 v[PER], g[PER];
+#pragma unroll
+        for (int j = 0; j < PER; j++) {  // norm thread i = threadIdx.x + j * blockDim.x holds float4 i
+            const int i = threadIdx.x + j * WARPS * 32;
+            if (i < n4) {
+                v[j] = del != nullptr ? add_delta(res[i], del[i], bias != nullptr ? bias[i] : zero) : res[i];
+                g[j] = reinterpret_cast<const float4 *>(n.w)[i];
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < PER; j++) {
+            const int i = threadIdx.x + j * WARPS * 32;
+            const float s = warp_sum(i < n4 ? sq4(v[j]) : 0.0f);
+            if (lane == 0 && warp + j * WARPS < NORM_THREADS / 32) sums[warp + j * WARPS] = s;
+        }
+        __syncthreads();
+        const float inv = rsqrtf(warp_sum(lane < NORM_THREADS / 32 ? sums[lane] : 0.0f) / K + n.eps);
+#pragma unroll
+        for (int j = 0; j < PER; j++) {
+            const int i = threadIdx.x + j * WARPS * 32;
+            if (i >= n4) continue;
+            scalar2_t *o = reinterpret_cast<scalar2_t *>(xs + (long long)r * K) + 2 * i;
+            o[0] = from_float2(v[j].x * inv * g[j].x, v[j].y * inv * g[j].y);
+            o[1] = from_float2(v[j].z * inv * g[j].z, v[j].w * inv * g[j].w);
+            if (blockIdx.x == 0 && n.res_out != nullptr)
+                reinterpret_cast<float4 *>(n.res_out + (long long)r * K)[i] = v[j];
+        }
+        __syncthreads();  // sums: the next row's
+    }
+}
+
 template <bool WIDE, int TILES, class Epilogue>  // WIDE: rows 8..15 of x exist (B > 8)
 __device__ __forceinline__ void skinny(const scalar_t *__restrict__ x, const w_t *__restrict__ w, int B, int N,
-                                       int K, int prefetch, const float *__restrict__ wscale, const Epilogue &epi) {
+                                       int K, int prefetch, const float *__restrict__ wscale, const NormIn &nin,
+                                       const Epilogue &epi) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, q = lane & 3;  // mma group (row of x / slot of W) and lane in group
     // Rows past N or B read row 0 instead: an MMA output row depends only on its own
@@ -296,6 +360,13 @@ __device__ __forceinline__ void skinny(const scalar_t *__restrict__ x, const w_t
         load_weights<TILES, true>(wrow, wv, c0, q, groups);
 #endif
     PDL_ENTER();
+#if NORM_IN
+    extern __shared__ __align__(16) unsigned char x_smem[];  // (B, K) 16-bit
+    scalar_t *xs = reinterpret_cast<scalar_t *>(x_smem);
+    norm_into(nin, xs, B, K);
+    __syncthreads();
+    x = xs;
+#endif
     const uint4 *xrow = reinterpret_cast<const uint4 *>(x + (long long)(g < B ? g : 0) * K);
     const uint4 *xrow2 = reinterpret_cast<const uint4 *>(x + (long long)(g + 8 < B ? g + 8 : 0) * K);
     float c[TILES][4];
@@ -341,23 +412,25 @@ __device__ __forceinline__ void skinny(const scalar_t *__restrict__ x, const w_t
 // whose rows are half as long, so a block still streams as many bytes), NAME_16 (9-16 rows,
 // two tiles). Grid (blocks the epilogue asks for), block (32 WARPS); prefetch: bytes of each
 // weight row to bring into the L2 up front (a multiple of 16, at most a row); wscale: the
-// rows' scales with W_FP8 (else unused, may be null). EPI: the
-// epilogue template, built from the kernel's own parameters (the ones after `prefetch`).
+// rows' scales with W_FP8 (else unused, may be null); nres .. nres_out: NormIn's fields with
+// NORM_IN (else unused; dynamic shared memory B * K 16-bit values). EPI: the epilogue
+// template, built from the kernel's own parameters (the ones after `nres_out`).
+#define SKINNY_PARAMS                                                                                            \
+    const scalar_t *__restrict__ x, const w_t *__restrict__ w, int B, int N, int K, int prefetch,                \
+        const float *__restrict__ wscale, const float *nres, const float *ndelta, const float *nbias,            \
+        const float *nw, float neps, float *nres_out
 #define SKINNY_KERNELS(NAME, EPI, INIT, ...)                                                                     \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                     \
-        NAME##_8(const scalar_t *__restrict__ x, const w_t *__restrict__ w, int B, int N, int K, int prefetch,      \
-                 const float *__restrict__ wscale, __VA_ARGS__) {                                                \
-        skinny<false, 1>(x, w, B, N, K, prefetch, wscale, EPI<1> INIT);                                          \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32) NAME##_8(SKINNY_PARAMS, __VA_ARGS__) {              \
+        skinny<false, 1>(x, w, B, N, K, prefetch, wscale, NormIn{nres, ndelta, nbias, nw, neps, nres_out},       \
+                         EPI<1> INIT);                                                                           \
     }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                     \
-        NAME##_8x2(const scalar_t *__restrict__ x, const w_t *__restrict__ w, int B, int N, int K,               \
-                   int prefetch, const float *__restrict__ wscale, __VA_ARGS__) {                                \
-        skinny<false, 2>(x, w, B, N, K, prefetch, wscale, EPI<2> INIT);                                          \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32) NAME##_8x2(SKINNY_PARAMS, __VA_ARGS__) {            \
+        skinny<false, 2>(x, w, B, N, K, prefetch, wscale, NormIn{nres, ndelta, nbias, nw, neps, nres_out},       \
+                         EPI<2> INIT);                                                                           \
     }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                     \
-        NAME##_16(const scalar_t *__restrict__ x, const w_t *__restrict__ w, int B, int N, int K,                \
-                  int prefetch, const float *__restrict__ wscale, __VA_ARGS__) {                                 \
-        skinny<true, 2>(x, w, B, N, K, prefetch, wscale, EPI<2> INIT);                                           \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32) NAME##_16(SKINNY_PARAMS, __VA_ARGS__) {             \
+        skinny<true, 2>(x, w, B, N, K, prefetch, wscale, NormIn{nres, ndelta, nbias, nw, neps, nres_out},        \
+                        EPI<2> INIT);                                                                            \
     }
 
 // y (B, N) float32

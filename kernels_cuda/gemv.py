@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import cupy as cp
 import numpy as np
 
-from ._module import check, check_scalar, i32, i64, launch, module, ptr_or_null, same_scalar, use_bf16
+from ._module import check, check_scalar, f32, i32, i64, launch, module, ptr_or_null, same_scalar, use_bf16
+from . import rmsnorm
 from .quant import Fp8Matrix
 from .rope import check_rope_args
 
@@ -42,6 +45,42 @@ def preload(row_bytes: int, config: dict, n_tiles: int) -> bool:
     return row_bytes <= config["WARPS"] * (config["DEPTH"] // n_tiles) * 64
 
 
+@dataclasses.dataclass(frozen=True)
+class NormIn:
+    """A product's input rows made in its blocks, as rmsnorm.add_rms_norm (or rms_norm,
+    without delta) makes them, to the bit, instead of read from x (gemv.cu's NORM_IN):
+    res (B, K) float32 (+ delta (B, K) float32 + bias (K,)), normed with weight (K,) float32.
+    Where delta is given, res + delta (+ bias) goes to res_out (B, K) if given (the residual
+    stream's next state), which must not be res: the other blocks still read it. K a
+    multiple of 4, at most 4 x rmsnorm.THREADS."""
+    res: cp.ndarray
+    weight: cp.ndarray
+    eps: float
+    delta: cp.ndarray | None = None
+    bias: cp.ndarray | None = None
+    res_out: cp.ndarray | None = None
+
+    def args(self, B: int, K: int) -> tuple:
+        """The kernel's nres .. nres_out, checked."""
+        if K % 4 or K > 4 * rmsnorm.THREADS:
+            raise ValueError(f"gemv: a folded norm needs K a multiple of 4 and at most {4 * rmsnorm.THREADS}, got {K}")
+        check(self.res, "norm.res", np.float32, (B, K))
+        check(self.weight, "norm.weight", np.float32, (K,))
+        if self.delta is not None:
+            check(self.delta, "norm.delta", np.float32, (B, K))
+        if self.res_out is not None:
+            check(self.res_out, "norm.res_out", np.float32, (B, K))
+            if self.res_out.data.ptr == self.res.data.ptr:
+                raise ValueError("gemv: norm.res_out must not be norm.res")
+        if self.bias is not None:
+            check(self.bias, "norm.bias", np.float32, (K,))
+        return (self.res, ptr_or_null(self.delta), ptr_or_null(self.bias), self.weight, f32(self.eps),
+                ptr_or_null(self.res_out if self.delta is not None else None))
+
+
+NO_NORM = (np.uint64(0),) * 4 + (f32(0), np.uint64(0))
+
+
 def _weights(x: cp.ndarray, w) -> tuple[cp.ndarray, cp.ndarray | None]:
     """(codes or 16-bit matrix, scales or None) of a weight argument: a 16-bit array of x's
     type, or an Fp8Matrix (--quantization fp8)."""
@@ -54,10 +93,12 @@ def _weights(x: cp.ndarray, w) -> tuple[cp.ndarray, cp.ndarray | None]:
     return w, None
 
 
-def _launch(name: str, x: cp.ndarray, w, extra: tuple, pdl: bool, config: dict | None, **defines: int) -> None:
+def _launch(name: str, x: cp.ndarray, w, extra: tuple, pdl: bool, config: dict | None, norm: NormIn | None = None,
+            **defines: int) -> None:
     """Checks shared by the skinny kernels, then the launch (x, w, B, N, K, prefetch, wscale,
-    *extra): a block per 8 weight rows (16 from 9 rows on, see tiles), whatever the epilogue
-    makes of them (SiLU pairs, RoPE pairs: N / 8 or N / 16 blocks all the same)."""
+    the norm's fields, *extra): a block per 8 weight rows (16 from 9 rows on, see tiles),
+    whatever the epilogue makes of them (SiLU pairs, RoPE pairs: N / 8 or N / 16 blocks all
+    the same). With norm, x gives the rows' shape and type only."""
     w, scale = _weights(x, w)
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"gemv: x {x.shape} and w {w.shape} do not chain")
@@ -74,47 +115,54 @@ def _launch(name: str, x: cp.ndarray, w, extra: tuple, pdl: bool, config: dict |
     fp8 = scale is not None
     suffix = "16" if B > 8 else "8x2" if tiles(B, fp8) == 2 else "8"
     pre = int(preload(K * w.itemsize, cfg, tiles(B, fp8)))
+    if norm is not None:
+        if x.nbytes > 48 << 10:
+            raise ValueError(f"gemv: a folded norm keeps the rows in shared memory, {x.nbytes} bytes > 48 KB")
+        defines.update(NORM_IN=1, NORM_THREADS=rmsnorm.THREADS)
     kernel = module("gemv", USE_BF16=use_bf16(x), W_FP8=int(fp8), PRELOAD=pre, **cfg,
                     **defines).get_function(f"{name}_{suffix}")
     grid = -(-N // (8 * tiles(B, fp8)))
     launch(kernel, (grid,), (32 * cfg["WARPS"],), (x, w, i32(B), i32(N), i32(K), i32(prefetch), ptr_or_null(scale),
-                                                   *extra), pdl=pdl)
+                                                   *(NO_NORM if norm is None else norm.args(B, K)), *extra),
+           shared_mem=0 if norm is None else x.nbytes, pdl=pdl)
 
 
 def gemv(x: cp.ndarray, w, out: cp.ndarray | None = None, pdl: bool = False,
-         config: dict | None = None) -> cp.ndarray:
+         config: dict | None = None, norm: NormIn | None = None) -> cp.ndarray:
     """out (B, N) float32 = x (B, K) @ w (N, K)^T; B <= 16, K a multiple of 8, 16-bit operands
-    (or w an Fp8Matrix, K a multiple of 16).
+    (or w an Fp8Matrix, K a multiple of 16). norm: x's rows are made from it (NormIn; x
+    gives their shape and type and is neither read nor written).
 
     Each output element is computed the same way whatever B is (batch invariance).
     """
     if out is None:
         out = cp.empty((x.shape[0], w.shape[0]), np.float32)
     check(out, "out", np.float32, (x.shape[0], w.shape[0]))
-    _launch("gemv", x, w, (out,), pdl, config)
+    _launch("gemv", x, w, (out,), pdl, config, norm)
     return out
 
 
-def gemv_silu(x: cp.ndarray, w, out: cp.ndarray, pdl: bool = False) -> cp.ndarray:
+def gemv_silu(x: cp.ndarray, w, out: cp.ndarray, pdl: bool = False, norm: NormIn | None = None) -> cp.ndarray:
     """out (B, inter) 16-bit = SiLU(x @ gate^T) * (x @ up^T), w = [gate; up] (2 inter, K).
 
     The same bits as gemv followed by activation.silu_mul; inter must be a multiple of 8.
+    norm: as gemv's.
     """
     inter = w.shape[0] // 2
     if w.shape[0] % 16:
         raise ValueError(f"gemv_silu: 2 * intermediate = {w.shape[0]} must be a multiple of 16")
     check_scalar(out, "out")
     check(out, "out", x.dtype, (x.shape[0], inter))
-    _launch("gemv_silu", x, w, (out,), pdl, None)
+    _launch("gemv_silu", x, w, (out,), pdl, None, norm)
     return out
 
 
 def gemv_rope(x: cp.ndarray, w, positions: cp.ndarray, cos: cp.ndarray, sin: cp.ndarray,
               k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, layer_offset: int, num_heads: int, num_kv_heads: int,
               q_out: cp.ndarray, bias: cp.ndarray | None = None, pdl: bool = False,
-              kv_fp8: bool = False) -> cp.ndarray:
+              kv_fp8: bool = False, norm: NormIn | None = None) -> cp.ndarray:
     """The QKV product with RoPE and the KV-cache write in its epilogue: the same bits as
-    gemv followed by rope.rope_kv_write (see there for the arguments)."""
+    gemv followed by rope.rope_kv_write (see there for the arguments). norm: as gemv's."""
     B = x.shape[0]
     head_dim = q_out.shape[-1]
     width = (num_heads + 2 * num_kv_heads) * head_dim
@@ -124,5 +172,6 @@ def gemv_rope(x: cp.ndarray, w, positions: cp.ndarray, cos: cp.ndarray, sin: cp.
     check_rope_args(B, width, positions, cos, sin, k_ptrs, v_ptrs, q_out, num_heads, head_dim, bias)
     check(q_out, "q_out", x.dtype)
     _launch("gemv_rope", x, w, (ptr_or_null(bias), positions, cos, sin, q_out, k_ptrs, v_ptrs, i64(layer_offset),
-                                i32(num_heads), i32(num_kv_heads)), pdl, None, HEAD_DIM=head_dim, KV_FP8=int(kv_fp8))
+                                i32(num_heads), i32(num_kv_heads)), pdl, None, norm, HEAD_DIM=head_dim,
+            KV_FP8=int(kv_fp8))
     return q_out

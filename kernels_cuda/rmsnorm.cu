@@ -36,10 +36,10 @@ __device__ __forceinline__ void norm_row(float *__restrict__ r, const float *__r
                 e = make_float4(e.x * rsv * f.x, e.y * rsv * f.y, e.z * rsv * f.z, e.w * rsv * f.w);
             }
             const float4 b = bias != nullptr ? reinterpret_cast<const float4 *>(bias)[i] : make_float4(0, 0, 0, 0);
-            v[u] = make_float4(v[u].x + e.x + b.x, v[u].y + e.y + b.y, v[u].z + e.z + b.z, v[u].w + e.w + b.w);
+            v[u] = add_delta(v[u], e, b);
             reinterpret_cast<float4 *>(r)[i] = v[u];
         }
-        ss += v[u].x * v[u].x + v[u].y * v[u].y + v[u].z * v[u].z + v[u].w * v[u].w;
+        ss += sq4(v[u]);
     }
     for (int i = 4 * n4 + threadIdx.x; i < hidden; i += blockDim.x) {
         float x = r[i];

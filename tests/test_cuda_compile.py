@@ -27,7 +27,8 @@ VARIANTS = {"flash_decode": [{"HEAD_DIM": 64, "GROUP": 3}, {"HEAD_DIM": 128, "GR
             "activation": [{}, {"PROD": 1}, {"PROD": 2}, {"PROD": 2, "QUANT_OUT": 1}],  # common.cuh
             "rmsnorm": [{}, {"QUANT_OUT": 1}],
             "gemv": [{}, {"HEAD_DIM": 64, "KV_FP8": 1}, {"DEPTH": 4}, {"W_FP8": 1}, {"W_FP8": 1, "DEPTH": 4},
-                     {"PRELOAD": 1}, {"PRELOAD": 1, "W_FP8": 1}]}
+                     {"PRELOAD": 1}, {"PRELOAD": 1, "W_FP8": 1}, {"NORM_IN": 1, "HEAD_DIM": 64},
+                     {"NORM_IN": 1, "W_FP8": 1, "PRELOAD": 1}]}
 FP8_ONLY = {"quant"}  # families that are all e4m3
 
 

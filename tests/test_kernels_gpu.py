@@ -221,6 +221,41 @@ def test_gemv_weights_loaded_before_the_wait(wfp8, monkeypatch):
             np.testing.assert_array_equal(outs[1], outs[0])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("wfp8", [False, True], ids=["w16", "w8"])
+def test_gemv_folded_norm_is_add_rms_norm_then_gemv(dtype, wfp8):
+    """A product that makes its rows by the residual add + RMSNorm (NormIn) gives the bits of
+    add_rms_norm (or rms_norm) and then the product: its output, and the residual stream's
+    next state in res_out, with res left as it was. K: one full pass of the norm block's
+    threads (2,048), a partial last warp of them (1,008), SmolLM2's 576."""
+    from kernels_cuda.gemv import NormIn, gemv, gemv_silu
+    from kernels_cuda.rmsnorm import add_rms_norm, rms_norm
+    for K, B in ((576, 13), (1008, 6), (2048, 1)):
+        res = cp.asarray(rng.standard_normal((B, K)).astype(np.float32))
+        delta = cp.asarray(rng.standard_normal((B, K)).astype(np.float32))
+        bias = cp.asarray(rng.standard_normal(K).astype(np.float32))
+        weight = cp.asarray(rng.uniform(0.5, 1.5, K).astype(np.float32))
+        w = maybe_fp8(to_dev(rng.standard_normal((96, K)).astype(np.float32) * 0.1, dtype), wfp8)
+        x = cp.zeros((B, K), to_dev(np.zeros(1, np.float32), dtype).dtype)
+        for with_delta in (False, True):
+            summed, normed = res.copy(), cp.zeros_like(x)
+            if with_delta:
+                add_rms_norm(summed, delta, weight, 1e-5, out=normed, bias=bias)
+            else:
+                rms_norm(summed, weight, 1e-5, out=normed)
+            res_before, res_out = res.copy(), cp.full((B, K), np.nan, np.float32)
+            norm = NormIn(res, weight, 1e-5, delta if with_delta else None, bias if with_delta else None,
+                          res_out if with_delta else None)
+            np.testing.assert_array_equal(cp.asnumpy(gemv(x, w, norm=norm)), cp.asnumpy(gemv(normed, w)))
+            act = cp.zeros((B, 48), x.dtype)
+            np.testing.assert_array_equal(cp.asnumpy(gemv_silu(x, w, act, norm=norm)),
+                                          cp.asnumpy(gemv_silu(normed, w, cp.zeros_like(act))))
+            assert not x.any()  # x gives the shape and type only
+            np.testing.assert_array_equal(cp.asnumpy(res), cp.asnumpy(res_before))
+            if with_delta:
+                np.testing.assert_array_equal(cp.asnumpy(res_out), cp.asnumpy(summed))
+
+
 def maybe_fp8(w: cp.ndarray, wfp8: bool):
     """w itself, or w quantized to e4m3 rows (--quantization fp8)."""
     from kernels_cuda.quant import quantize_matrix

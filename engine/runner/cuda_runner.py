@@ -31,7 +31,7 @@ from kernels_cuda.flash_decode import flash_decode
 from kernels_cuda.flash_prefill import flash_prefill, tiles
 from kernels_cuda.gemm import gemm, gemm_fp8, tune_gemm_fp8
 from kernels_cuda.gemv import MAX_ROWS as GEMV_MAX_ROWS
-from kernels_cuda.gemv import gemv, gemv_rope, gemv_silu
+from kernels_cuda.gemv import NormIn, gemv, gemv_rope, gemv_silu
 from kernels_cuda._module import pdl_supported, sm_count
 from kernels_cuda.quant import Fp8Matrix, quantize_matrix, quantize_rows
 from kernels_cuda.rmsnorm import add_rms_norm, rms_norm
@@ -60,6 +60,11 @@ GRAPH_RESERVE_BYTES = 512 << 20  # left free for cuBLAS workspaces and graph ins
 # small rows are as fast or faster with it).
 O_PROJ_PDL_MAX_INPUT = 16 << 10
 
+
+# Models up to this hidden size run their RMSNorms inside the products after them in steps of
+# up to FOLD_NORM_MAX_ROWS rows (CudaRunner._fold_norms).
+FOLD_NORM_MAX_HIDDEN = 1024
+FOLD_NORM_MAX_ROWS = 1
 
 # Steps of up to 16 rows take a row of at most this many keys in one split (see decode_split_plan).
 WHOLE_KEYS = 256
@@ -214,6 +219,10 @@ class DecodeBuffers:
     # e4m3 codes (flat, up to (A, widest K)) and a scale per row
     act_q: cp.ndarray | None = None
     act_scale: cp.ndarray | None = None
+    # steps whose products make their own normed rows (CudaRunner._fold_norms): the residual
+    # stream's other buffer, (FOLD_NORM_MAX_ROWS, hidden) f32, as the products write the sum
+    # to one while they read the other
+    res_alt: cp.ndarray | None = None
     products: dict[str, tuple[cp.ndarray, cp.ndarray]] = dataclasses.field(default_factory=dict)
 
     def memory_bytes(self) -> int:
@@ -222,7 +231,7 @@ class DecodeBuffers:
                  self.pen_prompt_mask]
         shared = [self.embed_out, self.norm_out, self.qkv_out, self.q_rot, self.attn_out, self.o_proj_out,
                   self.gate_up_out, self.mlp_act, self.down_out]
-        shared += [a for a in (self.act_q, self.act_scale) if a is not None]
+        shared += [a for a in (self.act_q, self.act_scale, self.res_alt) if a is not None]
         return self.inputs.nbytes + sum(a.nbytes for a in owned + shared)
 
 
@@ -277,6 +286,8 @@ class CudaRunner:
         self.kv_dtype = np.dtype(np.uint8) if self.kv_fp8 else np.dtype(self.scalar)
         # the fused epilogues pair 8 gate/up rows and 8 (j, j + head_dim / 2) dims a block
         self._epilogue_shapes_fit = cfg.intermediate_size % 8 == 0 and cfg.head_dim % 16 == 0
+        self._norms_fit = self._epilogue_shapes_fit and cfg.hidden_size % 4 == 0 and \
+            cfg.hidden_size <= FOLD_NORM_MAX_HIDDEN
         sched = config.scheduler
         self.max_model_len = sched.model_len(cfg)
         self.rows = bucket_for(sched.max_num_seqs)  # decode rows, a bucket
@@ -410,6 +421,7 @@ class CudaRunner:
             products={"qkv": views(qkv_out, qkv_width), "gate_up": views(gate_up_out, gate_up_width)},
             act_q=cp.zeros(A * widest, np.uint8) if self.quant_fp8 else None,
             act_scale=cp.zeros(A, np.float32) if self.quant_fp8 else None,
+            res_alt=cp.zeros((FOLD_NORM_MAX_ROWS, cfg.hidden_size), np.float32) if self._norms_fit else None,
             inputs=StagedInputs(R, fields),
             embed_out=cp.zeros((A, cfg.hidden_size), np.float32),
             norm_out=cp.zeros((A, cfg.hidden_size), s),
@@ -533,20 +545,42 @@ class CudaRunner:
         kernels a layer); larger steps run cuBLAS and the separate kernels."""
         return n <= GEMV_MAX_ROWS and self._epilogue_shapes_fit
 
-    def _layers(self, n: int, rope: tuple, attention) -> tuple | None:
+    def _fold_norms(self, n: int) -> bool:
+        """One-row steps of a model with hidden size <= FOLD_NORM_MAX_HIDDEN make each RMSNorm
+        (with its residual add) in every block of the product after it (gemv.NormIn: the bits
+        of add_rms_norm), not in a kernel of its own: 2 fewer kernels a layer, where a step is
+        a chain of short kernels. H200, SmolLM2 decode graphs (96 keys): B=1 0.442 -> 0.415 ms;
+        but B=2 0.458 -> 0.475 and B=8 0.513 -> 0.816 (a block norms its rows one after the
+        other); with a wide hidden size every block would re-read too much."""
+        return n <= FOLD_NORM_MAX_ROWS and self._fused(n) and self._norms_fit
+
+    def _layers(self, n: int, rope: tuple, attention) -> tuple[tuple | None, cp.ndarray]:
         """The decoder layers over the first n rows of the activation buffers; the
         residual stream ends un-added (the last down projection is added by the caller,
         with the scales returned: see _linear). rope: (positions, k_ptrs, v_ptrs) of the n
         tokens; attention(layer_offset) reads q_rot and writes attn_out. With float8 products
-        the normed rows and SiLU * up go to them as codes only (_quant_in)."""
+        the normed rows and SiLU * up go to them as codes only (_quant_in). Returns (those
+        scales, the residual stream's buffer: embed_out, or res_alt where _fold_norms left
+        it there)."""
         cfg, b, w = self.config, self.buffers, self.weights
         eps = cfg.rms_norm_eps
-        fused = self._fused(n)
+        fused, fold = self._fused(n), self._fold_norms(n)
         positions, k_ptrs, v_ptrs = rope
         down_scales = None
         normed_q, act_q = self._quant_in(n, cfg.hidden_size), self._quant_in(n, cfg.intermediate_size)
+        stream = [b.embed_out[:n], b.res_alt[:n] if fold else None]  # residual: stream[0]
+
+        def folded(delta: cp.ndarray | None, weight: cp.ndarray, bias: cp.ndarray | None = None) -> NormIn:
+            norm = NormIn(stream[0], weight, eps, delta, bias, stream[1] if delta is not None else None)
+            if delta is not None:
+                stream.reverse()
+            return norm
+
         for i, layer in enumerate(w.layers):
-            if i == 0:
+            norm = None
+            if fold:
+                norm = folded(None if i == 0 else b.down_out[:n], layer.input_layernorm)
+            elif i == 0:
                 rms_norm(b.embed_out[:n], layer.input_layernorm, eps, out=b.norm_out[:n], pdl=self._launch_pdl,
                          quant=normed_q, codes_only=True)
             else:
@@ -556,7 +590,7 @@ class CudaRunner:
             rope_in = (positions, self.rope_cos, self.rope_sin, k_ptrs, v_ptrs, offset, cfg.num_heads, cfg.num_kv_heads)
             if fused:
                 gemv_rope(b.norm_out[:n], layer.qkv_proj, *rope_in, b.q_rot[:n], bias=layer.qkv_bias,
-                          pdl=self._launch_pdl, kv_fp8=self.kv_fp8)
+                          pdl=self._launch_pdl, kv_fp8=self.kv_fp8, norm=norm)
             else:
                 qkv = self._product("qkv", n)
                 scales = self._linear(b.norm_out[:n], layer.qkv_proj, qkv, xq=normed_q)
@@ -566,18 +600,22 @@ class CudaRunner:
             attn = b.attn_out[:n].reshape(n, cfg.q_size)
             scales = self._linear(attn, layer.o_proj, b.o_proj_out[:n],
                                   pdl=self._launch_pdl and attn.nbytes <= O_PROJ_PDL_MAX_INPUT)
-            add_rms_norm(b.embed_out[:n], b.o_proj_out[:n], layer.post_attention_layernorm, eps,
-                         out=b.norm_out[:n], bias=layer.o_bias, pdl=self._launch_pdl, scales=scales, quant=normed_q,
-                         codes_only=True)
+            norm = None
+            if fold:
+                norm = folded(b.o_proj_out[:n], layer.post_attention_layernorm, layer.o_bias)
+            else:
+                add_rms_norm(b.embed_out[:n], b.o_proj_out[:n], layer.post_attention_layernorm, eps,
+                             out=b.norm_out[:n], bias=layer.o_bias, pdl=self._launch_pdl, scales=scales,
+                             quant=normed_q, codes_only=True)
             if fused:
-                gemv_silu(b.norm_out[:n], layer.gate_up_proj, b.mlp_act[:n], pdl=self._launch_pdl)
+                gemv_silu(b.norm_out[:n], layer.gate_up_proj, b.mlp_act[:n], pdl=self._launch_pdl, norm=norm)
             else:
                 gate_up = self._product("gate_up", n)
                 scales = self._linear(b.norm_out[:n], layer.gate_up_proj, gate_up, xq=normed_q)
                 silu_mul(gate_up, out=b.mlp_act[:n], pdl=self._launch_pdl, scales=scales, quant=act_q,
                          codes_only=True)
             down_scales = self._linear(b.mlp_act[:n], layer.down_proj, b.down_out[:n], xq=act_q)
-        return down_scales
+        return down_scales, stream[0]
 
     def _decode_attention(self, n: int, q: cp.ndarray, k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, kv_lens: cp.ndarray,
                           offset: int) -> None:
@@ -607,10 +645,14 @@ class CudaRunner:
         def attention(offset: int) -> None:
             self._decode_attention(n, b.q_rot[:n], d["k_ptrs"][:n], d["v_ptrs"][:n], d["kv_lens"][:n], offset)
 
-        down_scales = self._layers(n, (d["positions"][:n], d["k_ptrs"][:n], d["v_ptrs"][:n]), attention)
-        add_rms_norm(b.embed_out[:n], b.down_out[:n], w.norm, cfg.rms_norm_eps, out=b.final_norm_out[:n],
-                     pdl=self._launch_pdl, scales=down_scales)
-        self._linear(b.final_norm_out[:n], w.lm_head, b.logits[:n])
+        down_scales, residual = self._layers(n, (d["positions"][:n], d["k_ptrs"][:n], d["v_ptrs"][:n]), attention)
+        if self._fold_norms(n):  # the final norm in the LM head's blocks (the sum is not needed after it)
+            gemv(b.final_norm_out[:n], w.lm_head, b.logits[:n], pdl=self._launch_pdl,
+                 norm=NormIn(residual, w.norm, cfg.rms_norm_eps, b.down_out[:n]))
+        else:
+            add_rms_norm(residual, b.down_out[:n], w.norm, cfg.rms_norm_eps, out=b.final_norm_out[:n],
+                         pdl=self._launch_pdl, scales=down_scales)
+            self._linear(b.final_norm_out[:n], w.lm_head, b.logits[:n])
         self._sample(n)
 
     def _tune_products(self) -> None:
@@ -904,9 +946,8 @@ class CudaRunner:
                     flash_prefill(b.q_rot[:T], dev["tile_seq"], dev["tile_q0"], *prefill_seqs, offset,
                                   cfg.num_kv_heads, cfg.softmax_scale, b.attn_out[:T], window, kv_fp8=self.kv_fp8)
 
-            down_scales = self._layers(T, (dev["tok_pos"], dev["tok_k"], dev["tok_v"]), attention)
-            add_rms_norm(b.embed_out[:T], b.down_out[:T], w.norm, cfg.rms_norm_eps, out=b.norm_out[:T],
-                         scales=down_scales)
+            down_scales, residual = self._layers(T, (dev["tok_pos"], dev["tok_k"], dev["tok_v"]), attention)
+            add_rms_norm(residual, b.down_out[:T], w.norm, cfg.rms_norm_eps, out=b.norm_out[:T], scales=down_scales)
             result = RunnerOutput()
             prompt_rows = [i for i, r in enumerate(rows) if r.want_prompt_logprobs]
             for i in prompt_rows:
