@@ -568,12 +568,14 @@ class CudaRunner:
         positions, k_ptrs, v_ptrs = rope
         down_scales = None
         normed_q, act_q = self._quant_in(n, cfg.hidden_size), self._quant_in(n, cfg.intermediate_size)
-        stream = [b.embed_out[:n], b.res_alt[:n] if fold else None]  # residual: stream[0]
+        # the residual stream's buffers: [the one holding it, the other]; a folded norm with a
+        # delta reads the first and writes the sum to the second, which then holds the stream
+        res = [b.embed_out[:n], b.res_alt[:n] if fold else None]
 
         def folded(delta: cp.ndarray | None, weight: cp.ndarray, bias: cp.ndarray | None = None) -> NormIn:
-            norm = NormIn(stream[0], weight, eps, delta, bias, stream[1] if delta is not None else None)
+            norm = NormIn(res[0], weight, eps, delta, bias, res[1] if delta is not None else None)
             if delta is not None:
-                stream.reverse()
+                res.reverse()
             return norm
 
         for i, layer in enumerate(w.layers):
@@ -615,7 +617,7 @@ class CudaRunner:
                 silu_mul(gate_up, out=b.mlp_act[:n], pdl=self._launch_pdl, scales=scales, quant=act_q,
                          codes_only=True)
             down_scales = self._linear(b.mlp_act[:n], layer.down_proj, b.down_out[:n], xq=act_q)
-        return down_scales, stream[0]
+        return down_scales, res[0]
 
     def _decode_attention(self, n: int, q: cp.ndarray, k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, kv_lens: cp.ndarray,
                           offset: int) -> None:
