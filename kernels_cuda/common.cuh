@@ -87,15 +87,15 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// block-wide sum / max; every thread gets the result. `scratch` holds >= 32 floats.
-// The steps of an RMSNorm over float4s of a row, shared by rmsnorm.cu and the skinny GEMM's
+// The sums of an RMSNorm over float4s of a row, shared by rmsnorm.cu and the skinny GEMM's
 // folded norm (gemv.cu, NORM_IN) so that both give the same bits: residual + delta + bias,
-// a float4's sum of squares, and two normed outputs.
+// and a float4's sum of squares.
 __device__ __forceinline__ float4 add_delta(float4 v, float4 e, float4 b) {
     return make_float4(v.x + e.x + b.x, v.y + e.y + b.y, v.z + e.z + b.z, v.w + e.w + b.w);
 }
 __device__ __forceinline__ float sq4(float4 v) { return v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w; }
 
+// block-wide sum / max; every thread gets the result. `scratch` holds >= 32 floats.
 __device__ __forceinline__ float block_sum(float v, float *scratch) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
     v = warp_sum(v);
