@@ -20,7 +20,9 @@ from four, 8.6k for the engine alone).
 With --engine, the same load drives the engine in this process (no HTTP, no tokenizer),
 and every engine step is traced: how many decode rows and prompt tokens it ran and how
 long it took. The summary splits the run's time into decode-only, mixed and prefill-only
-steps, which shows where a serving run loses to the engine's own rates.
+steps, which shows where a serving run loses to the engine's own rates. A list of
+--max-num-batched-tokens (e.g. 8192,2048,1024) runs the load once per token budget on the
+one engine, so the budgets are compared on the same weights in the same process.
 """
 
 from __future__ import annotations
@@ -198,8 +200,12 @@ def step_summary(trace: list[tuple[int, int, float]]) -> dict:
     return out
 
 
-async def run_engine(args) -> dict:
+async def run_engine(args) -> list[dict]:
+    """The load on the engine in this process, once per token budget of
+    --max-num-batched-tokens (the engine is built for the largest); a summary each."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from dataclasses import replace
+
     from engine import Engine, EngineConfig, SchedulerConfig
     from engine.config import CacheConfig
     gib = int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None
@@ -207,30 +213,36 @@ async def run_engine(args) -> dict:
         model=args.engine, device=args.device, quantization=args.quantization,
         cache=CacheConfig(kv_cache_bytes=gib, kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_waiting=max(args.num_prompts, 1),
-                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_num_batched_tokens=max(args.budgets),
                                   max_model_len=args.input_len + args.output_len + 16)))
     args.vocab = min(args.vocab, engine.model_config.vocab_size)
     prompts = make_prompts(args)
+    summaries, traces = [], []
     engine.start()
     try:
         await engine_request(engine, prompts[0][:16], 4)  # warm-up
-        trace: list[tuple[int, int, float]] = []
+        for budget in args.budgets:
+            engine.scheduler.config = replace(engine.scheduler.config, max_num_batched_tokens=budget)
+            trace: list[tuple[int, int, float]] = []
 
-        def on_step(_engine, out, seconds):  # a decode row: one token past the prompt; the rest is prefill
-            decodes = sum(1 for s in out.seqs if s.num_tokens == 1 and s.start_pos >= len(s.prompt_token_ids))
-            trace.append((decodes, out.num_tokens - decodes, seconds))
-        engine.on_step = on_step
-        results, start, end = await closed_loop(prompts, args.concurrency, args.request_rate, args.seed + 1,
-                                                args.output_len, lambda prompt, n: engine_request(engine, prompt, n))
-        engine.on_step = None
+            def on_step(_engine, out, seconds, trace=trace):  # a decode row: one token past the prompt
+                decodes = sum(1 for s in out.seqs if s.num_tokens == 1 and s.start_pos >= len(s.prompt_token_ids))
+                trace.append((decodes, out.num_tokens - decodes, seconds))
+            engine.on_step = on_step
+            results, start, end = await closed_loop(prompts, args.concurrency, args.request_rate, args.seed + 1,
+                                                    args.output_len,
+                                                    lambda prompt, n: engine_request(engine, prompt, n))
+            engine.on_step = None
+            summary = summarize(args, args.engine, results, end - start)
+            summary.update(max_num_batched_tokens=budget, steps=step_summary(trace),
+                           step_seconds=sum(t[2] for t in trace))
+            summaries.append(summary)
+            traces.append(trace)
     finally:
         engine.shutdown()
-    summary = summarize(args, args.engine, results, end - start)
-    summary["steps"] = step_summary(trace)
-    summary["step_seconds"] = sum(t[2] for t in trace)
     if args.trace:
-        Path(args.trace).write_text(json.dumps(trace))
-    return summary
+        Path(args.trace).write_text(json.dumps(traces[0] if len(traces) == 1 else traces))
+    return summaries
 
 
 def summarize(args, model: str, results: list[Result], duration: float) -> dict:
@@ -272,9 +284,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     engine.add_argument("--kv-cache-dtype", default="auto")
     engine.add_argument("--kv-cache-gib", type=float, default=None)
     engine.add_argument("--max-num-seqs", type=int, default=256)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    engine.add_argument("--trace", help="write every step's (decode rows, prompt tokens, seconds) here")
+    engine.add_argument("--max-num-batched-tokens", default="8192",
+                        help="token budget per step; a comma-separated list runs the load once per budget")
+    engine.add_argument("--trace", help="write every step's (decode rows, prompt tokens, seconds) here "
+                                        "(a list of such traces with several budgets)")
     args = ap.parse_args(argv)
+    try:
+        args.budgets = [int(b) for b in str(args.max_num_batched_tokens).split(",")]
+    except ValueError:
+        ap.error(f"--max-num-batched-tokens: expected integers, got {args.max_num_batched_tokens!r}")
+    if len(args.budgets) > 1 and not args.engine:
+        ap.error("several --max-num-batched-tokens need --engine (a server has its own)")
     if args.processes is None:
         args.processes = max(1, min(args.concurrency, (args.concurrency + 63) // 64))
     return args
@@ -282,9 +302,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    summary = asyncio.run(run_engine(args)) if args.engine else run(args)
+    summaries = asyncio.run(run_engine(args)) if args.engine else [run(args)]
     if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=1))
+        Path(args.json).write_text(json.dumps(summaries[0] if len(summaries) == 1 else summaries, indent=1))
+    for summary in summaries:
+        report(args, summary)
+
+
+def report(args, summary: dict) -> None:
+    if "max_num_batched_tokens" in summary:
+        print(f"max_num_batched_tokens {summary['max_num_batched_tokens']}:")
     print(f"{summary['completed']}/{args.num_prompts} ok in {summary['duration_s']:.2f}s: "
           f"{summary['request_throughput']:.2f} req/s, {summary['output_throughput']:.1f} output tok/s")
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):

@@ -1,10 +1,13 @@
 // SiLU(gate) * up over the fused gate/up product (steps the skinny GEMM does not fuse).
 #include "common.cuh"
 
-// 8-value groups of the row a thread keeps in registers (for the e4m3 copy); a row longer
-// than SILU_VEC * 8 * blockDim.x (or of a length not a multiple of 8) goes through the
-// plain loop for the rest.
+// -DSILU_VEC: 8-value groups of the row a thread takes (activation.py picks it with the block
+// size); it keeps them in registers, as 16-bit pairs, for the e4m3 copy. A row longer than
+// SILU_VEC * 8 * blockDim.x (or of a length not a multiple of 8) goes through the plain loop
+// for the rest.
+#ifndef SILU_VEC
 #define SILU_VEC 2
+#endif
 
 // gate_up (T, 2 * inter) [gate | up] (-DPROD: float32 or 16 bits, common.cuh) -> out (T,
 // inter) 16-bit; rs, cs: the float8 product's scales (common.cuh's dequant), or null.
@@ -24,7 +27,7 @@ extern "C" __global__ void silu_mul(const prod_t *__restrict__ gate_up, scalar_t
     auto tail = [&](int i) {  // one value past the 8-value groups
         return from_float(silu_times(dequant(g[i], rs, cs, t, i), dequant(u[i], rs, cs, t, inter + i)));
     };
-    float held[SILU_VEC][8];
+    vec8 held[SILU_VEC];
     float m = 0.0f;  // largest |output| of this thread (as rounded to 16 bits)
 #pragma unroll
     for (int v = 0; v < SILU_VEC; v++) {
@@ -35,15 +38,13 @@ extern "C" __global__ void silu_mul(const prod_t *__restrict__ gate_up, scalar_t
         load_prod<8>(u + 8 * i, uf);
         dequant_n<8>(gf, rs, cs, t, 8 * i);
         dequant_n<8>(uf, rs, cs, t, inter + 8 * i);
-        vec8 r;
 #pragma unroll
         for (int j = 0; j < 4; j++) {
-            r.v[j] = from_float2(silu_times(gf[2 * j], uf[2 * j]), silu_times(gf[2 * j + 1], uf[2 * j + 1]));
-            const float2 back = to_float2(r.v[j]);
-            held[v][2 * j] = back.x, held[v][2 * j + 1] = back.y;
+            held[v].v[j] = from_float2(silu_times(gf[2 * j], uf[2 * j]), silu_times(gf[2 * j + 1], uf[2 * j + 1]));
+            const float2 back = to_float2(held[v].v[j]);
             m = fmaxf(m, fmaxf(fabsf(back.x), fabsf(back.y)));
         }
-        if (o != nullptr) reinterpret_cast<vec8 *>(o)[i] = r;
+        if (o != nullptr) reinterpret_cast<vec8 *>(o)[i] = held[v];
     }
     for (int i = 8 * n8 + threadIdx.x; i < inter; i += blockDim.x) {
         const scalar_t v = tail(i);
@@ -58,7 +59,9 @@ extern "C" __global__ void silu_mul(const prod_t *__restrict__ gate_up, scalar_t
     for (int v = 0; v < SILU_VEC; v++) {
         const int i = threadIdx.x + v * blockDim.x;
         if (i >= n8) break;
-        reinterpret_cast<uint2 *>(qr)[i] = fp8x8(held[v], inv);
+        float f[8];
+        vec8_to_float(held[v], f);
+        reinterpret_cast<uint2 *>(qr)[i] = fp8x8(f, inv);
     }
     for (int i = 8 * n8 + threadIdx.x; i < inter; i += blockDim.x)  // the value above, again
         qr[i] = fp8_from_float(to_float(tail(i)) * inv);

@@ -2,26 +2,32 @@
 // cache: a chunk attends to its sequence's cached prefix and to itself.
 //
 // FlashAttention-2 layout on mma.sync (m16n8k16, 16-bit in, float32 accumulate): a block
-// of 4 warps takes 64 queries of one head, each warp 16 of them. A warp keeps its Q
+// of 4 * HEADS warps takes 64 queries of HEADS query heads that share a KV head, each warp
+// 16 queries of one head, so each K/V tile is loaded (and widened) once for the HEADS
+// heads. A warp keeps its Q
 // fragments, its 16 x 64 score tile, the running max / sum and its 16 x HEAD_DIM output in
 // registers; K/V tiles of 64 keys stream through shared memory, double-buffered with
 // cp.async so the next tile loads while this one is used. Scores never leave registers:
 // the score accumulators of two 8-key tiles are exactly the A fragment of P for the P V
 // product. Tiles fully visible to a warp skip the mask; tiles it cannot see are skipped.
 //
-// grid (num_tiles, num_heads), block 128. A tile is 64 queries of one sequence:
+// grid (num_tiles, num_heads / HEADS), block 128 * HEADS. A tile is 64 queries of one sequence:
 // tile_seq / tile_q0 map tiles to (sequence, first query); the grid runs them last first,
 // so the longest (latest) tiles of a sequence start early.
-// -DHEAD_DIM (multiple of 16), -DKV_FP8 (e4m3 cache: tiles are widened to 16 bits in
-// shared memory before the MMAs); dynamic shared memory: flash_prefill.smem_bytes().
+// -DHEAD_DIM (multiple of 16), -DHEADS (query heads a block: a divisor of the heads per KV
+// head), -DKV_FP8 (e4m3 cache: tiles are widened to 16 bits in shared memory before the
+// MMAs); dynamic shared memory: flash_prefill.smem_bytes().
 #include "common.cuh"
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 128
 #endif
+#ifndef HEADS
+#define HEADS 1
+#endif
 #define BLOCK_M 64
 #define BLOCK_N 64
-#define THREADS 128
+#define THREADS (128 * HEADS)
 #define LDS (HEAD_DIM + 8)  // shared row stride (elements): 16-byte rows land on distinct banks for ldmatrix
 
 constexpr int KSTEPS = HEAD_DIM / 16;  // k steps of Q K^T
@@ -42,24 +48,25 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_prefill(
     long long layer_offset, int num_heads, int num_kv_heads, int window, float scale) {
     PDL_ENTER();
     extern __shared__ __align__(128) unsigned char smem[];
-    scalar_t *sQ = reinterpret_cast<scalar_t *>(smem);  // BLOCK_M x LDS
+    scalar_t *sQ = reinterpret_cast<scalar_t *>(smem);  // HEADS x BLOCK_M x LDS
 #if KV_FP8  // tiles arrive as bytes (double-buffered) and are widened into one 16-bit K and V tile
-    unsigned char *st = reinterpret_cast<unsigned char *>(sQ + BLOCK_M * LDS);  // [2][K, V][BLOCK_N][HEAD_DIM]
+    unsigned char *st = reinterpret_cast<unsigned char *>(sQ + HEADS * BLOCK_M * LDS);  // [2][K, V][BLOCK_N][HEAD_DIM]
     scalar_t *sK = reinterpret_cast<scalar_t *>(st + 4 * BLOCK_N * HEAD_DIM);   // BLOCK_N x LDS
     scalar_t *sV = sK + BLOCK_N * LDS;                                           // BLOCK_N x LDS
 #else
-    scalar_t *sK = sQ + BLOCK_M * LDS;      // 2 x BLOCK_N x LDS
+    scalar_t *sK = sQ + HEADS * BLOCK_M * LDS;  // 2 x BLOCK_N x LDS
     scalar_t *sV = sK + 2 * BLOCK_N * LDS;  // 2 x BLOCK_N x LDS
 #endif
 
-    const int tile = gridDim.x - 1 - blockIdx.x, h = blockIdx.y;
-    const int kvh = h / (num_heads / num_kv_heads);
+    const int tile = gridDim.x - 1 - blockIdx.x, h0 = blockIdx.y * HEADS;
+    const int kvh = h0 / (num_heads / num_kv_heads);
     const int s = tile_seq[tile], q0 = tile_q0[tile];
     const int q_len = seq_q_len[s], kv_len = seq_kv_len[s];
     const int start_pos = kv_len - q_len;
     const int rows = min(BLOCK_M, q_len - q0);
     const long long qbase = (long long)seq_q_start[s] + q0;
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int tid = threadIdx.x, lane = tid & 31;
+    const int h = h0 + (tid >> 7), warp = (tid >> 5) & 3;  // this warp's head and its 16 queries of the 64
     const int g = lane >> 2, qd = lane & 3;
 
     const int q_first = start_pos + q0, q_last = q_first + rows - 1;
@@ -71,10 +78,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_prefill(
     const kv_t *kb = reinterpret_cast<const kv_t *>(k_ptrs[s]) + layer_offset + kvh * HEAD_DIM;
     const kv_t *vb = reinterpret_cast<const kv_t *>(v_ptrs[s]) + layer_offset + kvh * HEAD_DIM;
 
-    for (int i = tid; i < BLOCK_M * VEC; i += THREADS) {
-        const int r = i / VEC, c = (i % VEC) * 8;
+    for (int i = tid; i < HEADS * BLOCK_M * VEC; i += THREADS) {
+        const int hr = i / VEC, r = hr % BLOCK_M, c = (i % VEC) * 8;  // hr: head hr / BLOCK_M of the block, row r
         const bool ok = r < rows;
-        cp_async16(sQ + r * LDS + c, q + ((qbase + (ok ? r : 0)) * num_heads + h) * HEAD_DIM + c, ok);
+        cp_async16(sQ + hr * LDS + c, q + ((qbase + (ok ? r : 0)) * num_heads + h0 + hr / BLOCK_M) * HEAD_DIM + c, ok);
     }
     cp_async_commit();
     // (written out rather than through common.cuh's load_kv_tile, which the decode kernel
@@ -104,7 +111,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_prefill(
 
     unsigned qf[KSTEPS][4];
 #pragma unroll
-    for (int kk = 0; kk < KSTEPS; kk++) ldsm_x4(qf[kk], sQ + (warp * 16 + (lane & 15)) * LDS + kk * 16 + (lane >> 4) * 8);
+    for (int kk = 0; kk < KSTEPS; kk++)
+        ldsm_x4(qf[kk], sQ + ((h - h0) * BLOCK_M + warp * 16 + (lane & 15)) * LDS + kk * 16 + (lane >> 4) * 8);
 
     float o[OTILES][4];
 #pragma unroll

@@ -21,10 +21,11 @@ FP8_ARCHS = ("-gencode", "arch=compute_90,code=sm_90")  # the e4m3 conversions n
 # per family, the -D constant sets it is built with at run time (a representative few)
 VARIANTS = {"flash_decode": [{"HEAD_DIM": 64, "GROUP": 3}, {"HEAD_DIM": 128, "GROUP": 4},
                              {"HEAD_DIM": 128, "GROUP": 4, "KV_FP8": 1, "WHOLE": 256}],
-            "flash_prefill": [{"HEAD_DIM": 64}, {"HEAD_DIM": 128}, {"HEAD_DIM": 128, "KV_FP8": 1}],
+            "flash_prefill": [{"HEAD_DIM": 64}, {"HEAD_DIM": 128}, {"HEAD_DIM": 128, "KV_FP8": 1},
+                              {"HEAD_DIM": 128, "KV_FP8": 1, "HEADS": 2}, {"HEAD_DIM": 64, "HEADS": 4}],
             "rope": [{"HEAD_DIM": 64}, {"HEAD_DIM": 128}, {"HEAD_DIM": 64, "KV_FP8": 1}, {"HEAD_DIM": 128, "PROD": 1},
                      {"HEAD_DIM": 128, "PROD": 2, "KV_FP8": 1}, {"HEAD_DIM": 36, "PROD": 2, "KV_FP8": 1}],
-            "activation": [{}, {"PROD": 1}, {"PROD": 2}, {"PROD": 2, "QUANT_OUT": 1}],  # common.cuh
+            "activation": [{}, {"PROD": 1}, {"PROD": 2}, {"PROD": 2, "QUANT_OUT": 1, "SILU_VEC": 7}],  # common.cuh
             "rmsnorm": [{}, {"QUANT_OUT": 1}],
             "gemv": [{}, {"HEAD_DIM": 64, "KV_FP8": 1}, {"DEPTH": 4}, {"W_FP8": 1}, {"W_FP8": 1, "DEPTH": 4},
                      {"PRELOAD": 1}, {"PRELOAD": 1, "W_FP8": 1}, {"NORM_IN": 1, "HEAD_DIM": 64},

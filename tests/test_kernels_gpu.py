@@ -580,6 +580,52 @@ def test_flash_decode(kv8, splits, chunk, window, heads, min_blocks, whole, monk
             np.testing.assert_allclose(got[b, h], ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("kv8", [False, True], ids=["kv16", "kv8"])
+@pytest.mark.parametrize("heads,window", [((8, 2), 0), ((8, 2), 100), ((6, 2), 0), ((4, 4), 0)])
+def test_flash_prefill(kv8, heads, window):
+    """Ragged causal prefill attention against softmax(q k^T * scale) v in float64: chunks
+    after a cached prefix (start > 0), one of a single query, one over three 64-query
+    tiles; `window`: sliding-window attention; 4 and 3 query heads a KV head, and one. Blocks
+    that take two query heads of a KV head (what a launch with a long sequence gets,
+    flash_prefill.heads_per_block) give the bits of blocks that take one."""
+    import kernels_cuda.flash_prefill as fp
+    (H, KVH), D, region = heads, 64, 512
+    starts, q_lens = np.array([0, 37, 100, 5], np.int32), np.array([70, 1, 150, 64], np.int32)
+    kv_lens, S, T = starts + q_lens, len(q_lens), int(q_lens.sum())
+    q_start = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int32)
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    kv = rng.standard_normal((2, S, region, KVH, D)).astype(np.float32)
+    if kv8:
+        codes = to_e4m3(kv)
+        kv, pool = E4M3[codes], cp.asarray(codes)
+    else:
+        kv = rounded(kv, "float16")
+        pool = cp.asarray(kv.astype(np.float16))
+    row_bytes = region * KVH * D * pool.itemsize
+    kp = cp.asarray(pool.data.ptr + np.arange(S) * row_bytes, dtype=cp.int64)
+    vp = kp + S * row_bytes
+    tile_seq, tile_q0 = fp.tiles(q_lens)
+    args = (cp.asarray(q.astype(np.float16)), cp.asarray(tile_seq), cp.asarray(tile_q0), cp.asarray(q_start),
+            cp.asarray(q_lens), cp.asarray(kv_lens), kp, vp, 0, KVH, D ** -0.5)
+    outs = {}
+    for most in (1, 2):  # (max_keys below SHARE_MIN_KEYS: one head a block)
+        outs[most] = cp.full((T, H, D), np.nan, np.float16)
+        fp.flash_prefill(*args, outs[most], window, kv_fp8=kv8, max_keys=fp.SHARE_MIN_KEYS * (most - 1))
+    np.testing.assert_array_equal(cp.asnumpy(outs[2]), cp.asnumpy(outs[1]))
+    got = cp.asnumpy(outs[2]).astype(np.float64)
+    qr = rounded(q, "float16").astype(np.float64)
+    for s in range(S):
+        for i in range(q_lens[s]):
+            pos, t = starts[s] + i, q_start[s] + i
+            first = max(0, pos + 1 - window) if window else 0
+            k, v = kv[0, s, first:pos + 1].astype(np.float64), kv[1, s, first:pos + 1].astype(np.float64)
+            for h in range(H):
+                sc = k[:, h // (H // KVH)] @ qr[t, h] * D ** -0.5
+                p = np.exp(sc - sc.max())
+                ref = p @ v[:, h // (H // KVH)] / p.sum()
+                np.testing.assert_allclose(got[t, h], ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
+
+
 def test_tuned_fp8_product_algorithm(monkeypatch):
     """tune_gemm_fp8 times the heuristic's algorithms over several matrices and keeps the
     fastest (here whatever its gain) for the shape's bucket of rows: the products of every row

@@ -927,6 +927,7 @@ class CudaRunner:
         nd = int(np.argmin(q_lens == 1)) if (q_lens != 1).any() else len(rows)
         nd = min(nd, self.rows)
         tile_seq, tile_q0 = tiles(q_lens[nd:])
+        max_keys = max((r.kv_len for r in rows[nd:]), default=0)
         logit_rows = [i for i, r in enumerate(rows) if r.sample]
         last_tok = (q_start + q_lens - 1)[logit_rows].astype(np.int64)
 
@@ -946,7 +947,8 @@ class CudaRunner:
                     self._decode_attention(nd, *decode_args, offset)
                 if nd < len(rows):
                     flash_prefill(b.q_rot[:T], dev["tile_seq"], dev["tile_q0"], *prefill_seqs, offset,
-                                  cfg.num_kv_heads, cfg.softmax_scale, b.attn_out[:T], window, kv_fp8=self.kv_fp8)
+                                  cfg.num_kv_heads, cfg.softmax_scale, b.attn_out[:T], window, kv_fp8=self.kv_fp8,
+                                  max_keys=max_keys)
 
             down_scales, residual = self._layers(T, (dev["tok_pos"], dev["tok_k"], dev["tok_v"]), attention)
             add_rms_norm(residual, b.down_out[:T], w.norm, cfg.rms_norm_eps, out=b.norm_out[:T], scales=down_scales)
