@@ -8,7 +8,10 @@
 // whose length is not a multiple of 4) goes through the plain loop for the rest.
 #include "common.cuh"
 
+// -DNORM_VEC: float4 of the row a thread holds (rmsnorm.py picks it with the block size)
+#ifndef NORM_VEC
 #define NORM_VEC 4
+#endif
 
 // residual += delta (+ bias) when delta is not null; out = rms_norm(residual) * w. A delta
 // from a float8 product is scaled first: by rsv (the token's scale) and cs (per feature), when

@@ -70,6 +70,7 @@ extern "C" __global__ void rope_kv_write(
     kv_t *v_dst = kv_row(v_ptrs, t, layer_offset, pos, num_kv_heads * HEAD_DIM);
     constexpr int PER_HEAD = HALF / RV;
     const int groups = (num_heads + num_kv_heads) * PER_HEAD;
+#pragma unroll 4
     for (int i = threadIdx.x; i < groups; i += blockDim.x) {
         const int head = i / PER_HEAD, j = (i % PER_HEAD) * RV;
         const int n1 = head * HEAD_DIM + j, n2 = n1 + HALF;
@@ -101,6 +102,7 @@ extern "C" __global__ void rope_kv_write(
         }
     }
     const int v_off = (num_heads + num_kv_heads) * HEAD_DIM;
+#pragma unroll 4
     for (int i = threadIdx.x * RV; i < num_kv_heads * HEAD_DIM; i += blockDim.x * RV) {
         float x[RV];
         load_prod<RV>(row + v_off + i, x);

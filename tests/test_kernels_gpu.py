@@ -84,10 +84,11 @@ def test_embedding(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [1000, 1002, 9000])  # in registers; not a multiple of 4; longer than they hold
-def test_rms_norm_and_fused_add(dtype, hidden):
+@pytest.mark.parametrize("rows", [7, 600])  # 600: a step of many rows (rmsnorm.WIDE_MIN_ROWS: smaller blocks)
+def test_rms_norm_and_fused_add(dtype, hidden, rows):
     from kernels_cuda.rmsnorm import add_rms_norm, rms_norm
-    x = rng.standard_normal((7, hidden)).astype(np.float32)
-    d = rng.standard_normal((7, hidden)).astype(np.float32)
+    x = rng.standard_normal((rows, hidden)).astype(np.float32)
+    d = rng.standard_normal((rows, hidden)).astype(np.float32)
     w = rng.standard_normal(hidden).astype(np.float32)
     bias = rng.standard_normal(hidden).astype(np.float32)
     odt = np.uint16 if dtype == "bfloat16" else np.float16
@@ -356,15 +357,15 @@ def test_quantize_rows(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kernel", ["rms_norm", "add_rms_norm", "silu_mul"])
-@pytest.mark.parametrize("long", [False, True], ids=["held", "long"])  # long: rows past what registers hold
-def test_producers_quantize_their_output_for_a_float8_product(dtype, kernel, long):
+@pytest.mark.parametrize("shape", ["held", "long", "wide"])  # long: rows past what registers hold; wide: many rows
+def test_producers_quantize_their_output_for_a_float8_product(dtype, kernel, shape):
     """With `quant`, RMSNorm and SiLU * up also write their 16-bit output as e4m3 codes and a
     scale per row: the bits quantize_rows gives on that output, which stays as it was; with
     codes_only, the same codes and the 16-bit output left untouched."""
     from kernels_cuda.activation import silu_mul
     from kernels_cuda.quant import quantize_rows
     from kernels_cuda.rmsnorm import add_rms_norm, rms_norm
-    T, hidden, inter = (37, 9000, 20000) if long else (37, 1040, 528)
+    T, hidden, inter = {"held": (37, 1040, 528), "long": (37, 9000, 20000), "wide": (600, 4096, 14336)}[shape]
     scalar = np.uint16 if dtype == "bfloat16" else np.float16
     width = inter if kernel == "silu_mul" else hidden
     x = (rng.standard_normal((T, hidden)) * np.linspace(0.1, 30, T)[:, None]).astype(np.float32)
