@@ -6,20 +6,19 @@ import cupy as cp
 import numpy as np
 
 from ._module import (check, check_scalar, i32, launch, module, prod_kind, quant_out_args, quant_out_target,
-                      scale_args, threads_for, use_bf16)
+                      scale_args, use_bf16, wide_threads)
 
 
-# most threads a block (one row each); SILU_VEC follows from it. H200, 2,048 rows of Llama-3-8B's
-# 14,336: 256 threads (7 groups a thread) 54 us against 78 us with 1,024 (2 a thread) for the
-# float8 path's codes, 46 vs 58 us for a 16-bit output: more blocks an SM overlap each other's
-# block-wide max and loads
+# most threads a block (one row each) in steps of _module.WIDE_MIN_ROWS rows or more; SILU_VEC
+# follows. H200, 2,048 rows of Llama-3-8B's 14,336: 256 threads (7 groups a thread) 54 us against
+# 78 us with 1,024 (2 a thread) for the float8 path's codes, 46 vs 58 us for a 16-bit output
 SILU_THREADS = 256
 
 
-def _shape(inter: int) -> tuple[int, int]:
-    """(threads, SILU_VEC) of a row of `inter` outputs: every 8-value group of the row in a
-    thread's registers (up to 8 groups a thread)."""
-    threads = threads_for(inter, 8, most=SILU_THREADS)
+def _shape(rows: int, inter: int) -> tuple[int, int]:
+    """(threads, SILU_VEC) of `rows` rows of `inter` outputs: every 8-value group of a row in
+    a thread's registers (up to 8 groups a thread)."""
+    threads = wide_threads(rows, inter, 8, SILU_THREADS)
     return threads, max(1, min(8, -(-inter // (8 * threads))))
 
 
@@ -41,7 +40,7 @@ def silu_mul(gate_up: cp.ndarray, out: cp.ndarray | None = None, out_dtype=np.fl
     check(out, "out", out.dtype, (T, inter))
     quant_out, q_args = quant_out_args(quant, T, inter)
     if T:
-        threads, vec = _shape(inter)
+        threads, vec = _shape(T, inter)
         launch(module("activation", USE_BF16=use_bf16(out), PROD=prod, QUANT_OUT=quant_out,
                       SILU_VEC=vec).get_function("silu_mul"), (T,), (threads,),
                (gate_up, quant_out_target(out, quant, codes_only), i32(inter),

@@ -5,17 +5,16 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
-from ._module import (check, check_scalar, f32, i32, launch, module, ptr_or_null, quant_out_args, quant_out_target,
-                      scale_args, use_bf16)
+from ._module import (WIDE_MIN_ROWS, check, check_scalar, f32, i32, launch, module, ptr_or_null, quant_out_args,
+                      quant_out_target, scale_args, use_bf16)
 
-THREADS = 512  # a block (one row) of up to WIDE_MIN_ROWS rows: decode steps (gemv.NormIn sums in its order)
+THREADS = 512  # a block (one row) below _module.WIDE_MIN_ROWS rows: decode steps (gemv.NormIn sums in its order)
 # Steps of WIDE_MIN_ROWS rows or more (prefill, mixed) take WIDE_THREADS a row (or more, for rows
-# over 8 float4 a thread): more blocks an SM overlap each other's block-wide sums. H200, Llama-3-8B's
+# over 8 float4 a thread). H200, Llama-3-8B's
 # 4,096 with a float8 product's delta and codes out: 2,048 rows 36.6 -> 33.3 us, 8,192 rows 131.6 ->
 # 115.5 us (512 rows: 14.1 vs 14.5; 128 threads holding 8 float4: 37.6 and 127.5). Their sums add
 # in another order than at THREADS, so those steps' bits differ from a decode step's (as their
 # cuBLAS products' already do).
-WIDE_MIN_ROWS = 512
 WIDE_THREADS = 256
 
 

@@ -6,13 +6,13 @@ import cupy as cp
 import numpy as np
 
 from ._module import (check, check_scalar, i32, i64, launch, module, prod_kind, ptr_or_null, scale_args,
-                      threads_for, use_bf16)
+                      use_bf16, wide_threads)
 
 
-# most threads a block (one token each); a thread takes the rest of the token's groups in turn,
-# four at a time (rope.cu's unrolled loops). H200, Llama-3-8B's QKV product as bfloat16 sums with
-# float8 scales, fp8 K/V: 2,048 tokens 37.9 us at 640 threads (one group each) -> 16.3 us at 128;
-# 8,192: 148.4 -> 60.2; 256: 14.8 -> 15.1; same bits
+# most threads a block (one token each) in steps of _module.WIDE_MIN_ROWS tokens or more; a thread
+# takes the rest of the token's groups in turn, four at a time (rope.cu's unrolled loops). H200,
+# Llama-3-8B's QKV product as bfloat16 sums with float8 scales, fp8 K/V: 2,048 tokens 37.9 us at
+# 640 threads (one group each) -> 16.3 us at 128; 8,192: 148.4 -> 60.2; same bits
 ROPE_THREADS = 128
 
 
@@ -55,7 +55,7 @@ def rope_kv_write(qkv: cp.ndarray, positions: cp.ndarray, cos: cp.ndarray, sin: 
     if T:
         launch(module("rope", USE_BF16=use_bf16(q_out), HEAD_DIM=head_dim, KV_FP8=int(kv_fp8),
                       PROD=prod).get_function("rope_kv_write"),
-               (T,), (threads_for((num_heads + num_kv_heads) * head_dim // 2, 4, most=ROPE_THREADS),),
+               (T,), (wide_threads(T, (num_heads + num_kv_heads) * head_dim // 2, 4, ROPE_THREADS),),
                (qkv, ptr_or_null(bias), positions, cos, sin, q_out, k_ptrs, v_ptrs, i64(layer_offset),
                 i32(num_heads), i32(num_kv_heads), *scale_args(scales, T, width)), pdl=pdl)
     return q_out

@@ -124,9 +124,10 @@ def test_silu_mul(dtype, inter, prod16):
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("kv8", [False, True], ids=["kv16", "kv8"])
 @pytest.mark.parametrize("prod16", [False, True], ids=["prod32", "prod16"])
-def test_rope_kv_write(dtype, head_dim, with_bias, kv8, prod16):
+@pytest.mark.parametrize("wide", [False, True], ids=["few", "wide"])  # wide: a step of _module.WIDE_MIN_ROWS+ tokens
+def test_rope_kv_write(dtype, head_dim, with_bias, kv8, prod16, wide):
     from kernels_cuda.rope import rope_kv_write
-    T, H, KVH, layers = 9, 6, 2, 3
+    T, H, KVH, layers = (520, 24, 8, 3) if wide else (9, 6, 2, 3)
     qkv = rng.standard_normal((T, (H + 2 * KVH) * head_dim)).astype(np.float32)
     qkv_dev = cp.asarray(qkv)
     if prod16:
