@@ -517,6 +517,22 @@ def test_readers_take_a_16_bit_product(kernel, prod, fp8):
         np.testing.assert_array_equal(cp.asnumpy(got), cp.asnumpy(want))
 
 
+def kv_cache_rows(kv8: bool, rows: int, region: int, kv_heads: int, head_dim: int) -> tuple:
+    """Random K and V for `rows` sequences of `region` slots each, in a cache as the attention
+    kernels read it (e4m3 codes, or float16): (the values as stored, float32 (2, rows, region,
+    kv_heads, head_dim); k_ptrs; v_ptrs; the cache, to keep it alive)."""
+    kv = rng.standard_normal((2, rows, region, kv_heads, head_dim)).astype(np.float32)
+    if kv8:
+        codes = to_e4m3(kv)
+        kv, pool = E4M3[codes], cp.asarray(codes)
+    else:
+        kv = rounded(kv, "float16")
+        pool = cp.asarray(kv.astype(np.float16))
+    row_bytes = region * kv_heads * head_dim * pool.itemsize
+    kp = cp.asarray(pool.data.ptr + np.arange(rows) * row_bytes, dtype=cp.int64)
+    return kv, kp, kp + rows * row_bytes, pool
+
+
 @pytest.mark.parametrize("kv8", [False, True], ids=["kv16", "kv8"])
 @pytest.mark.parametrize("splits,chunk,window,heads,min_blocks,whole", [
     (6, 128, 0, (8, 2), 1, 0), (2, 128, 0, (8, 2), 1, 0), (1, 256, 0, (8, 2), 1, 0), (3, 128, 300, (8, 2), 1, 0),
@@ -539,16 +555,7 @@ def test_flash_decode(kv8, splits, chunk, window, heads, min_blocks, whole, monk
     lens = np.array([1, 70, 129, 0, 640, 1000], np.int32)
     B = len(lens)
     q = rng.standard_normal((B, H, D)).astype(np.float32)
-    kv = rng.standard_normal((2, B, region, KVH, D)).astype(np.float32)
-    if kv8:
-        codes = to_e4m3(kv)
-        kv, pool = E4M3[codes], cp.asarray(codes)
-    else:
-        kv = rounded(kv, "float16")
-        pool = cp.asarray(kv.astype(np.float16))
-    row_bytes = region * KVH * D * pool.itemsize
-    kp = cp.asarray(pool.data.ptr + np.arange(B) * row_bytes, dtype=cp.int64)
-    vp = kp + B * row_bytes
+    kv, kp, vp, _pool = kv_cache_rows(kv8, B, region, KVH, D)
     q_dev = cp.asarray(q.astype(np.float16))
     part_o, part_ml = cp.zeros((B, H, splits, D), np.float32), cp.zeros((B, H, splits, 2), np.float32)
     counters, out = cp.zeros((B, KVH), np.int32), cp.full((B, H, D), np.nan, np.float16)
@@ -596,16 +603,7 @@ def test_flash_prefill(kv8, heads, window):
     kv_lens, S, T = starts + q_lens, len(q_lens), int(q_lens.sum())
     q_start = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int32)
     q = rng.standard_normal((T, H, D)).astype(np.float32)
-    kv = rng.standard_normal((2, S, region, KVH, D)).astype(np.float32)
-    if kv8:
-        codes = to_e4m3(kv)
-        kv, pool = E4M3[codes], cp.asarray(codes)
-    else:
-        kv = rounded(kv, "float16")
-        pool = cp.asarray(kv.astype(np.float16))
-    row_bytes = region * KVH * D * pool.itemsize
-    kp = cp.asarray(pool.data.ptr + np.arange(S) * row_bytes, dtype=cp.int64)
-    vp = kp + S * row_bytes
+    kv, kp, vp, _pool = kv_cache_rows(kv8, S, region, KVH, D)
     tile_seq, tile_q0 = fp.tiles(q_lens)
     args = (cp.asarray(q.astype(np.float16)), cp.asarray(tile_seq), cp.asarray(tile_q0), cp.asarray(q_start),
             cp.asarray(q_lens), cp.asarray(kv_lens), kp, vp, 0, KVH, D ** -0.5)
