@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from bench.load_test import run
 
 
@@ -34,16 +36,30 @@ def test_serve_bench_engine_mode_traces_every_step(smollm2_path, tmp_path):
 
     from bench import serve
     trace = tmp_path / "trace.json"
+    # two token budgets: the load runs once per budget on one engine, a summary and a trace each
     args = serve.parse_args(["--engine", smollm2_path, "--device", "cpu", "--num-prompts", "6", "--input-len", "40",
-                             "--output-len", "4", "--concurrency", "3", "--max-num-batched-tokens", "64",
+                             "--output-len", "4", "--concurrency", "3", "--max-num-batched-tokens", "64,24",
                              "--max-num-seqs", "3", "--vocab", "40000", "--trace", str(trace)])
-    summary = aio.run(serve.run_engine(args))
-    assert summary["completed"] == 6 and summary["output_throughput"] == 6 * 4 / summary["duration_s"]
-    steps = json.loads(trace.read_text())
-    assert sum(t[1] for t in steps) == 6 * 40  # every prompt token, once
-    assert sum(t[0] for t in steps) == 6 * 3  # every token after a request's first is one decode row
+    summaries = aio.run(serve.run_engine(args))
+    traces = json.loads(trace.read_text())
+    assert [s["max_num_batched_tokens"] for s in summaries] == [64, 24] and len(traces) == 2
+    for summary, steps in zip(summaries, traces):
+        assert summary["completed"] == 6 and summary["output_throughput"] == 6 * 4 / summary["duration_s"]
+        assert sum(t[1] for t in steps) == 6 * 40  # every prompt token, once
+        assert sum(t[0] for t in steps) == 6 * 3  # every token after a request's first is one decode row
+        assert max(t[0] + t[1] for t in steps) <= summary["max_num_batched_tokens"]
+        assert sum(k["steps"] for k in summary["steps"].values()) == len(steps)
+        assert abs(sum(k["seconds"] for k in summary["steps"].values()) - summary["step_seconds"]) < 1e-6
+        assert summary["step_seconds"] <= summary["duration_s"] * 1.01
     # 40-token prompts in 64-token steps: some prefills share a step with decodes, some are chunked
-    assert {"decode", "mixed"} <= set(summary["steps"])
-    assert sum(k["steps"] for k in summary["steps"].values()) == len(steps)
-    assert abs(sum(k["seconds"] for k in summary["steps"].values()) - summary["step_seconds"]) < 1e-6
-    assert summary["step_seconds"] <= summary["duration_s"] * 1.01
+    assert {"decode", "mixed"} <= set(summaries[0]["steps"])
+
+
+def test_serve_bench_budget_list_needs_engine_mode(capsys):
+    from bench import serve
+    for argv, message in ((["--max-num-batched-tokens", "2048,8192"], "need --engine"),
+                          (["--engine", "x", "--max-num-batched-tokens", "2048,lots"], "expected integers")):
+        with pytest.raises(SystemExit):
+            serve.parse_args(argv)
+        assert message in capsys.readouterr().err
+    assert serve.parse_args(["--engine", "x", "--max-num-batched-tokens", "2048,8192"]).budgets == [2048, 8192]
