@@ -8,22 +8,24 @@ import numpy as np
 from ._module import (WIDE_MIN_ROWS, check, check_scalar, f32, i32, launch, module, ptr_or_null, quant_out_args,
                       quant_out_target, scale_args, use_bf16)
 
-THREADS = 512  # a block (one row) below _module.WIDE_MIN_ROWS rows: decode steps (gemv.NormIn sums in its order)
-# Steps of WIDE_MIN_ROWS rows or more (prefill, mixed) take WIDE_THREADS a row (or more, for rows
-# over 8 float4 a thread). H200, Llama-3-8B's
-# 4,096 with a float8 product's delta and codes out: 2,048 rows 36.6 -> 33.3 us, 8,192 rows 131.6 ->
-# 115.5 us (512 rows: 14.1 vs 14.5; 128 threads holding 8 float4: 37.6 and 127.5). Their sums add
-# in another order than at THREADS, so those steps' bits differ from a decode step's (as their
-# cuBLAS products' already do).
+# Threads a block (one row) below _module.WIDE_MIN_ROWS rows: decode steps (gemv.NormIn sums in
+# this block's order).
+THREADS = 512
+# Steps of WIDE_MIN_ROWS rows or more (prefill, mixed) take WIDE_THREADS a row, or more for rows
+# over 8 float4 a thread. H200, Llama-3-8B's 4,096 with a float8 product's delta and codes out:
+# 2,048 rows 36.6 -> 33.3 us, 8,192 rows 131.6 -> 115.5 us (512 rows: 14.1 vs 14.5; 128 threads
+# holding 8 float4: 37.6 and 127.5). Their sums add in another order than at THREADS, so those
+# steps' bits differ from a decode step's (as their cuBLAS products' already do).
 WIDE_THREADS = 256
 
 
 def _shape(rows: int, hidden: int) -> tuple[int, int]:
-    """(threads, NORM_VEC) of a launch over `rows` rows of `hidden` values."""
+    """(threads, NORM_VEC) of a launch over `rows` rows of `hidden` values (a row past
+    what the registers hold goes through the kernel's plain loop)."""
     if rows < WIDE_MIN_ROWS:
         return THREADS, 4
     n4 = -(-hidden // 4)
-    threads = max(WIDE_THREADS, -(-n4 // (8 * 32)) * 32)
+    threads = min(1024, max(WIDE_THREADS, -(-n4 // (8 * 32)) * 32))
     return threads, max(1, min(8, -(-n4 // threads)))
 
 
