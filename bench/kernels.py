@@ -8,6 +8,7 @@ alone vs a whole runner step (the difference is host work).
         --metrics gpu__time_duration.sum,dram__bytes_read.sum \
         python bench/kernels.py --shape llama3-8b --batch 1 --profile > ncu.csv
     python bench/kernels.py --ncu-summary ncu.csv      # each kernel of one decode graph, by name
+    python bench/kernels.py --mixed 252,576,4,448 --quantization fp8 --kv-cache-dtype fp8  # a mixed step by kernel
 """
 
 from __future__ import annotations
@@ -260,6 +261,112 @@ def profile_graph(shape_name: str, batch: int, context: int, kv_dtype: str = "au
     cp.cuda.profiler.stop()
 
 
+# the kernel functions a runner step calls (engine/runner/cuda_runner.py's imports), timed by --mixed
+STEP_KERNELS = ("embedding", "rms_norm", "add_rms_norm", "gemm", "gemm_fp8", "quantize_rows", "gemv", "gemv_rope",
+                "gemv_silu", "rope_kv_write", "flash_prefill", "flash_decode", "silu_mul", "sample_tokens",
+                "token_logprobs")
+
+
+def fill_kv_random(runner) -> None:
+    """Random K/V in the whole pool (e4m3 codes without NaN, or 16-bit values of about the
+    size a layer writes): attention is not timed on zeros."""
+    with runner.stream:
+        for pool in (runner.k_cache, runner.v_cache):
+            raw = pool.view(cp.uint8).reshape(-1)
+            chunk = 1 << 28
+            for i in range(0, raw.size, chunk):
+                m = min(chunk, raw.size - i)
+                if runner.kv_fp8:
+                    raw[i:i + m] = cp.random.randint(0, 0x7E, m, dtype=cp.uint8) | \
+                        (cp.random.randint(0, 2, m, dtype=cp.uint8) << 7)
+                else:
+                    vals = (cp.random.standard_normal(-(-m // 2), dtype=cp.float32) * 0.5).astype(cp.float16)
+                    raw[i:i + m] = vals.view(cp.uint8)[:m]
+        runner.stream.synchronize()
+
+
+def mixed_table(shape_name: str, decodes: int, context: int, prompts: int, prompt_len: int,
+                quantization: str | None = None, kv_dtype: str = "auto", rounds: int = 8) -> list[str]:
+    """GPU time of one mixed step (`decodes` one-token rows at `context` keys + `prompts`
+    prompts of `prompt_len` tokens, one runner.submit) by kernel: events around every kernel
+    function the runner calls; the gaps between kernels are what the step's events hold
+    beyond them. Medians over the rounds after the first two."""
+    import numpy as np
+
+    import engine.runner.cuda_runner as cr
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine.loader import load_model
+    from engine.outputs import ScheduledSeq, SchedulerOutput
+    from engine.request import SamplingParams
+    model = load_model(f"random:{shape_name}", with_tokenizer=False)
+    cfg = model.config
+    region = max(context, prompt_len) + 64
+    rows = decodes + prompts * prompt_len
+    pool_bytes = int(1.1 * (decodes + prompts) * region * cfg.kv_bytes_per_token(1 if kv_dtype == "fp8" else 2))
+    config = EngineConfig(model=shape_name, device="cuda", quantization=quantization,
+                          cache=CacheConfig(kv_cache_bytes=max(pool_bytes, 1 << 30), kv_cache_dtype=kv_dtype),
+                          scheduler=SchedulerConfig(max_num_seqs=max(decodes + prompts, 1), max_model_len=region,
+                                                    max_num_batched_tokens=max(2048, rows)))
+    runner = cr.CudaRunner(config, model, progress=False)
+    fill_kv_random(runner)
+    params = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
+    rng = np.random.default_rng(0)
+    vocab = cfg.vocab_size
+    seqs = [ScheduledSeq(i, [int(rng.integers(vocab))], context - 1, i * region, True, params,
+                         prompt_token_ids=[1] * (context - 1)) for i in range(decodes)]
+    for j in range(prompts):
+        tokens = [int(t) for t in rng.integers(vocab, size=prompt_len)]
+        seqs.append(ScheduledSeq(decodes + j, tokens, 0, (decodes + j) * region, True, params,
+                                 prompt_token_ids=tokens))
+    step = SchedulerOutput(seqs=seqs, step=1)
+    events: dict[str, list] = {}
+
+    def timed(name: str, fn):
+        def call(*args, **kwargs):
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            start.record()
+            result = fn(*args, **kwargs)
+            end.record()
+            events.setdefault(name, []).append((start, end))
+            return result
+        return call
+
+    originals = {name: getattr(cr, name) for name in STEP_KERNELS}
+    times: dict[str, list[float]] = {}
+    try:
+        for name, fn in originals.items():
+            setattr(cr, name, timed(name, fn))
+        for _ in range(rounds):
+            events.clear()
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            with runner.stream:
+                start.record()
+            finish = runner.submit(step)
+            with runner.stream:
+                end.record()
+            finish()
+            end.synchronize()
+            total = cp.cuda.get_elapsed_time(start, end)
+            inside = 0.0
+            for name, pairs in events.items():
+                ms = sum(cp.cuda.get_elapsed_time(a, b) for a, b in pairs)
+                times.setdefault(f"{name} x{len(pairs)}", []).append(ms)
+                inside += ms
+            times.setdefault("step", []).append(total)
+            times.setdefault("between kernels", []).append(total - inside)
+    finally:
+        for name, fn in originals.items():
+            setattr(cr, name, fn)
+    del runner
+    cp.get_default_memory_pool().free_all_blocks()
+    med = {name: statistics.median(v[2:] if len(v) > 2 else v) for name, v in times.items()}
+    out = [(f"mixed step {shape_name} w={quantization or '16'} kv={kv_dtype}: {decodes} decode rows at {context} "
+            f"keys + {prompts} prompts x {prompt_len} = {rows} rows: {med.pop('step'):.3f} ms")]
+    for name, ms in sorted(med.items(), key=lambda kv: -kv[1]):
+        out.append(f"  {name:24s} {ms:8.3f} ms")
+    return out
+
+
 def ncu_summary(csv_path: str) -> list[str]:
     """Per-kernel times of one profiled graph (ncu --csv --print-units base, metrics
     gpu__time_duration.sum and dram__bytes_read.sum), summed by kernel name."""
@@ -299,10 +406,17 @@ def main() -> None:
                     help="launch the first batch's decode graph once inside cudaProfilerStart/Stop (run under ncu)")
     ap.add_argument("--launches", type=int, default=1, help="--profile: launch the graph this many times")
     ap.add_argument("--ncu-summary", default="", help="summarise an ncu --csv file of such a run and stop")
+    ap.add_argument("--mixed", default="", help="D,C,P,L: one mixed step of D decode rows at C keys and P prompts of "
+                    "L tokens, its GPU time by kernel, and stop (with --quantization, --kv-cache-dtype)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
     if args.ncu_summary:
         print("\n".join(ncu_summary(args.ncu_summary)))
+        return
+    if args.mixed:
+        decodes, context, prompts, prompt_len = (int(x) for x in args.mixed.split(","))
+        print("\n".join(mixed_table(args.shape, decodes, context, prompts, prompt_len, args.quantization,
+                                    args.kv_cache_dtype)))
         return
     if args.profile:
         profile_graph(args.shape, batches[0], args.context, args.kv_cache_dtype, args.quantization, args.launches)

@@ -2,7 +2,7 @@
 # GPU checks on a lent device machine (the device tool runs this in the repo root).
 #   stage 1: install the carried wheels (.whl/), keep part 1 of SmolLM2 (.devpart/) in /tmp/cuserve_store,
 #            kernel tests (KTESTS: a -k filter) and the tiny-model runner tests (RTESTS: their -k filter);
-#            FP8=1: the fp8 matrix products and decode graphs; GRAPHS=1: decode graph timings; SWEEP=1: those,
+#            FP8=1: the fp8 matrix products and decode graphs; MIXED=1: a mixed step by kernel; GRAPHS=1: decode graph timings; SWEEP=1: those,
 #            the skinny-GEMM sweep, prefill attention alone and TTFT; PROFILE=1: per-kernel times (ncu)
 #   stage 2: assemble SmolLM2 from the stored and carried parts; runner, engine and server tests on the GPU
 #            and the SmolLM2 decode benchmark (TESTS=0 skips these); FULL_BENCH=1, LOAD=1: the benchmarks;
@@ -48,6 +48,11 @@ print(cupy.cuda.runtime.getDeviceProperties(0)['name'])" >> "$OUT/env.log" 2>&1
         run prefill_8b timeout 200 python3 bench/prefill.py --model random:llama3-8b --json "$OUT/prefill_8b.json"
         grep -hE "attention|step matmuls" "$OUT"/sweep_8b.log | cut -c1-72
         tail -n 9 "$OUT/prefill_8b.log"
+    fi
+    if [ "${MIXED:-0}" = 1 ]; then  # a serving step (252 decodes + 4 prompts of 448) by kernel, fp8 + fp8 K/V
+        run mixed_8b timeout 300 python3 bench/kernels.py --shape llama3-8b --mixed 252,576,4,448 \
+            --quantization fp8 --kv-cache-dtype fp8
+        cat "$OUT/mixed_8b.log" | grep -v Loading | head -n 20
     fi
     if [ "${SWEEP:-0}" = 1 ] || [ "${GRAPHS:-0}" = 1 ]; then  # decode graphs alone (PDL on and off)
         run graph_8b timeout 300 python3 bench/kernels.py --shape llama3-8b --batch 1,8,16,64,128 --skip-matmul
