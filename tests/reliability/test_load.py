@@ -63,3 +63,30 @@ def test_serve_bench_budget_list_needs_engine_mode(capsys):
             serve.parse_args(argv)
         assert message in capsys.readouterr().err
     assert serve.parse_args(["--engine", "x", "--max-num-batched-tokens", "2048,8192"]).budgets == [2048, 8192]
+
+
+def test_host_bench_engine_alone_runs_the_cost_model():
+    """bench/host.py: the stand-in GPU is busy exactly as the cost model says for the load's
+    prompt tokens and decode rows (base 0; a budget that never splits a prompt)."""
+    import asyncio as aio
+
+    from bench import host
+    args = host.parse_args(["--num-prompts", "12", "--concurrency", "4", "--input-len", "24", "--output-len", "6",
+                            "--max-num-batched-tokens", "256", "--sim-step-ms", "0", "--sim-decode-ms", "0.5",
+                            "--sim-prompt-us", "40", "--mode", "engine"])
+    s = aio.run(host.engine_run(args))
+    assert s["completed"] == 12 and s["failed"] == 0, s["errors"]
+    assert s["gpu_busy_s"] == pytest.approx(12 * 5 * 0.5e-3 + 12 * 24 * 40e-6)
+    assert s["engine_ttft_ms"]["p50"] > 0 and s["engine_queue_ms"]["p50"] >= 0
+    assert sum(k["steps"] for k in s["idle_before"].values()) >= 6  # 12 prompts + 5 tokens after each, 4 at a time
+
+
+def test_host_bench_over_http_reports_the_server_share():
+    from bench import host
+    args = host.parse_args(["--num-prompts", "8", "--concurrency", "4", "--input-len", "16", "--output-len", "5",
+                            "--processes", "1", "--mode", "http"])
+    s = host.http_run(args)
+    assert s["completed"] == 8 and s["failed"] == 0, s["errors"]
+    assert s["tokens"] == 8 * 5 + 4  # and the client's warm-up request of 4 tokens
+    assert s["server_cpu_s"] > 0 and s["server_cpu_us_per_token"] == s["server_cpu_s"] / s["tokens"] * 1e6
+    assert s["gpu_busy_s"] > 0 and len(s["engine_ttft_ms"]) and s["engine_ttft_ms"]["p50"] > 0

@@ -1,0 +1,273 @@
+"""The host's share of serving, measured without a GPU: the engine, and the real HTTP server,
+driven by a stand-in runner whose steps take the time a cost model gives, launched
+asynchronously as the CUDA runner's are (`submit`, steps chained ahead up to `chain_rows`).
+The load is bench/serve.py's (random prompts, ignore_eos, streaming, a concurrency cap).
+
+    python bench/host.py --num-prompts 1024 --input-len 512 --output-len 128 --concurrency 256
+
+It runs the load twice, on the engine alone (in this process) and over HTTP (the server in a
+child process, the client in --processes processes), and prints for each: output tok/s, TTFT
+p50 seen by the client and by the engine (arrival to first token; the gap is the HTTP path),
+the engine's queue time, the stand-in GPU's busy time and its idle time before each kind of
+step (time the host kept it waiting), and for HTTP the server process's CPU per output token.
+
+The default cost model is the H200's for Llama-3-8B with fp8 weights and fp8 K/V (fitted
+from bench/serve.py --engine traces, docs/performance.md): 1.0 ms a step + 0.028 ms a decode
+row + 14.6 us a prompt token. With it, this reproduced the GPU's serving run within a few
+per cent on the H200 host (engine 10.5k tok/s, HTTP 10.0-10.2k). The numbers depend on the
+host's CPU: compare runs on one machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import serve
+
+
+class SimRunner:
+    """A runner whose steps 'run' for base + per_decode x decode rows + per_prompt x prompt
+    tokens seconds, one after the other, like a GPU stream: submit returns at once and the
+    step's finish function sleeps until its step would end (releasing the GIL, as waiting
+    for a CUDA event does). Samples a token per sampling row, never EOS-like on purpose:
+    the load runs with ignore_eos. Keeps the stand-in GPU's busy time, and its idle time
+    before each step by kind: 'ahead' (chained, launched before the previous step ended),
+    'mixed' (with prompt tokens), 'decode'. A gap of over IDLE_MAX seconds is not counted:
+    nothing was there to run (the load had not started)."""
+
+    IDLE_MAX = 1.0
+
+    device = "sim"
+
+    def __init__(self, base: float, per_decode: float, per_prompt: float, chain_rows: int = 256,
+                 num_kv_slots: int = 1 << 22) -> None:
+        self.cost = (base, per_decode, per_prompt)
+        self.chain_rows = chain_rows
+        self.num_kv_slots = num_kv_slots
+        self.busy_until = 0.0
+        self.reset()
+
+    def reset(self) -> None:
+        self.busy = 0.0
+        self.idle: dict[str, list] = {}  # kind -> [steps, idle seconds before them]
+
+    def submit(self, out):
+        decodes = sum(1 for s in out.seqs if s.num_tokens == 1)
+        prompt = sum(s.num_tokens for s in out.seqs) - decodes
+        base, per_decode, per_prompt = self.cost
+        seconds = base + per_decode * decodes + per_prompt * prompt
+        now = time.perf_counter()
+        kind = "ahead" if out.chained else "mixed" if prompt else "decode"
+        entry = self.idle.setdefault(kind, [0, 0.0])
+        entry[0] += 1
+        gap = now - self.busy_until
+        entry[1] += gap if 0.0 < gap <= self.IDLE_MAX else 0.0
+        end = self.busy_until = max(now, self.busy_until) + seconds
+        self.busy += seconds
+        from engine.outputs import RunnerOutput
+        sampled = {s.seq_id: 1000 + (s.seq_id * 7 + s.start_pos) % 5000 for s in out.seqs if s.sample}
+
+        def finish() -> RunnerOutput:
+            wait = end - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+            return RunnerOutput(sampled=sampled)
+        return finish
+
+    def execute(self, out):
+        return self.submit(out)()
+
+    def report(self) -> dict:
+        return {"gpu_busy_s": self.busy,
+                "idle_before": {k: {"steps": n, "idle_s": s} for k, (n, s) in sorted(self.idle.items())}}
+
+
+class EngineTimes:
+    """Engine-side first-token and queue times (arrival to first token / first step), by
+    wrapping the engine's observer."""
+
+    def __init__(self, engine) -> None:
+        self.ttft: list[float] = []
+        self.queue: list[float] = []
+        observer = engine.observer
+        first = observer.on_first_token
+
+        def on_first_token(request) -> None:
+            t = request.timings
+            self.ttft.append(t.first_token - t.arrival)
+            if t.first_scheduled is not None:
+                self.queue.append(t.first_scheduled - t.arrival)
+            first(request)
+        observer.on_first_token = on_first_token
+
+    def report(self) -> dict:
+        return {"engine_ttft_ms": serve.stats(self.ttft), "engine_queue_ms": serve.stats(self.queue)}
+
+    def reset(self) -> None:
+        self.ttft, self.queue = [], []
+
+
+def build_engine(args):
+    from engine import Engine, EngineConfig, SchedulerConfig
+    from engine.loader import load_model
+    model = load_model(args.model, with_tokenizer=True)
+    runner = SimRunner(args.sim_step_ms / 1e3, args.sim_decode_ms / 1e3, args.sim_prompt_us / 1e6,
+                       chain_rows=args.max_num_seqs)
+    config = EngineConfig(model=args.model, device="cpu", scheduler=SchedulerConfig(
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.input_len + args.output_len + 16, max_waiting=max(args.num_prompts, 1)))
+    return Engine(config, model, runner=runner), runner
+
+
+def serve_child(args) -> None:
+    """The server side of the HTTP run: the real app over uvicorn on the stand-in runner.
+    SIGUSR1 marks the start of the load; the next one prints the server's share as one
+    JSON line (CPU seconds of this process, output tokens, the runner's and engine's times)."""
+    import uvicorn
+
+    from server.app import create_app
+    from server.settings import ServeSettings
+    engine, runner = build_engine(args)
+    engine.start()
+    app = create_app(ServeSettings(model=args.model, port=args.port), engine=engine)
+    times = EngineTimes(engine)  # around the observer the app set
+    mark: dict = {}
+
+    def on_signal(*_) -> None:
+        if not mark:
+            runner.reset()
+            times.reset()
+            mark.update(cpu=time.process_time(), tokens=engine.stats.generation_tokens)
+            return
+        tokens = engine.stats.generation_tokens - mark["tokens"]
+        cpu = time.process_time() - mark["cpu"]
+        line = {"server_cpu_s": cpu, "tokens": tokens, "server_cpu_us_per_token": cpu / max(tokens, 1) * 1e6,
+                **runner.report(), **times.report()}
+        print("SIM " + json.dumps(line), flush=True)
+        mark.clear()
+
+    signal.signal(signal.SIGUSR1, on_signal)
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
+
+
+async def engine_run(args) -> dict:
+    engine, runner = build_engine(args)
+    times = EngineTimes(engine)
+    prompts = serve.make_prompts(args)
+    engine.start()
+    try:
+        await serve.engine_request(engine, prompts[0][:16], 4)  # warm-up
+        runner.reset()
+        times.reset()
+        results, start, end = await serve.closed_loop(
+            prompts, args.concurrency, args.request_rate, args.seed + 1, args.output_len,
+            lambda prompt, n: serve.engine_request(engine, prompt, n))
+    finally:
+        engine.shutdown()
+    return {**serve.summarize(args, args.model, results, end - start), **runner.report(), **times.report()}
+
+
+def http_run(args) -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    child = subprocess.Popen([sys.executable, __file__, *args.argv, "--serve-child"], env=env,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        import httpx
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{args.url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if child.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the stand-in server did not start")
+            time.sleep(0.5)
+        child.send_signal(signal.SIGUSR1)
+        summary = serve.run(args)
+        child.send_signal(signal.SIGUSR1)
+        for line in child.stdout:
+            if line.startswith("SIM "):
+                summary.update(json.loads(line[4:]))
+                break
+    finally:
+        child.terminate()
+        child.wait(30)
+    return summary
+
+
+def report(name: str, s: dict) -> None:
+    idle = ", ".join(f"{k} {v['idle_s']:.2f}s / {v['steps']} steps" for k, v in s["idle_before"].items())
+    print(f"{name}: {s['output_throughput']:.1f} output tok/s, {s['completed']}/{s['num_prompts']} ok in "
+          f"{s['duration_s']:.2f}s; TTFT p50 client {s['ttft_ms']['p50']:.1f} ms, engine "
+          f"{s['engine_ttft_ms']['p50']:.1f} ms (queue {s['engine_queue_ms']['p50']:.1f} ms); TPOT p50 "
+          f"{s['tpot_ms']['p50']:.2f} ms")
+    print(f"  stand-in GPU busy {s['gpu_busy_s']:.2f}s; idle before {idle}")
+    if "server_cpu_s" in s:
+        print(f"  server process CPU {s['server_cpu_s']:.2f}s for {s['tokens']} tokens: "
+              f"{s['server_cpu_us_per_token']:.1f} us a token")
+    if s["errors"]:
+        print("  errors:", s["errors"])
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="random:llama3-8b", help="a model whose tokenizer and shape the load uses")
+    ap.add_argument("--num-prompts", type=int, default=1024)
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--concurrency", type=int, default=256)
+    ap.add_argument("--request-rate", type=float, default=float("inf"))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--processes", type=int, default=None, help="HTTP client processes (bench/serve.py's)")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--sim-step-ms", type=float, default=1.0, help="cost model: ms a step")
+    ap.add_argument("--sim-decode-ms", type=float, default=0.028, help="cost model: ms a decode row")
+    ap.add_argument("--sim-prompt-us", type=float, default=14.6, help="cost model: us a prompt token")
+    ap.add_argument("--port", type=int, default=0, help="the HTTP run's server port (0: a free one)")
+    ap.add_argument("--mode", choices=("both", "engine", "http"), default="both")
+    ap.add_argument("--json")
+    ap.add_argument("--serve-child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.port == 0 and not args.serve_child:
+        import socket
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            args.port = sock.getsockname()[1]
+    args.argv = [*(sys.argv[1:] if argv is None else argv), "--port", str(args.port)]
+    args.url = f"http://127.0.0.1:{args.port}"
+    args.api_key = None
+    args.vocab = 30000
+    args.processes = args.processes or max(1, min(args.concurrency, (args.concurrency + 63) // 64))
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.serve_child:
+        serve_child(args)
+        return
+    results = {}
+    if args.mode in ("both", "engine"):
+        results["engine"] = asyncio.run(engine_run(args))
+        report("engine alone", results["engine"])
+    if args.mode in ("both", "http"):
+        results["http"] = http_run(args)
+        report("over HTTP", results["http"])
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
