@@ -332,7 +332,7 @@ class Engine:
         try:
             if finish is None:
                 finish = self._submit(sched_out)
-            self._submit_ahead(sched_out)
+            outputs += self._submit_ahead(sched_out)
             # the previous step's tokens are detokenized and delivered while this one runs
             outputs += self._emit_deferred()
             self._flush_sinks()
@@ -357,22 +357,26 @@ class Engine:
         self._last_step_end = now
         return outputs
 
-    def _submit_ahead(self, prev: SchedulerOutput) -> None:
+    def _submit_ahead(self, prev: SchedulerOutput) -> list[RequestOutput]:
         """Launch the step after `prev` before waiting for `prev`, when the scheduler can
-        tell it already (steady decoding, Scheduler.schedule_ahead) and the runner can take
-        its input tokens from `prev`'s output on the device (`chain_rows`, the CUDA runner):
-        the device then goes from one step to the next without waiting for the host's
-        update and schedule. Requests that came in meanwhile are taken by a normal step."""
+        tell it already (Scheduler.schedule_ahead: the decode rows of what prev samples, the
+        rest of its prompts, admissions) and the runner can take input tokens from `prev`'s
+        output on the device (`chain_rows`, the CUDA runner): the device then goes from one
+        step to the next without waiting for the host's update and schedule. Requests that
+        came in meanwhile are taken in first (their aborts and refusals are returned)."""
         max_rows = getattr(self.runner, "chain_rows", 0)
-        if not (self.schedule_ahead and max_rows) or self._inbox:
-            return
+        if not (self.schedule_ahead and max_rows):
+            return []
+        outputs = self._drain_inbox()
         nxt = self.scheduler.schedule_ahead(prev, max_rows)
         if nxt is None:
-            return
+            return outputs
         try:
             self._ahead = (nxt, self.runner.submit(nxt), time.perf_counter())
-        except Exception:  # noqa: BLE001 - not launched: the next step is scheduled as usual
+        except Exception:  # noqa: BLE001 - not launched: a plain step takes its rows (the scheduler
+            # counts a row only at update; requests it admitted stay admitted, nothing computed)
             log.exception("could not launch step %d ahead; scheduling it after step %d", nxt.step, prev.step)
+        return outputs
 
     def _drop_ahead(self) -> None:
         """Forget a step launched ahead of one that failed (after it has run: its device
@@ -423,7 +427,7 @@ class Engine:
             seq = self.scheduler.get_seq(row.seq_id)
             if seq is None:
                 continue
-            if out.chained:  # its input is the token the step before produced, now in the sequence
+            if row.pending_tokens:  # its input is the token the step before produced, now in the sequence
                 row = dataclasses.replace(row, token_ids=seq.output_token_ids[-1:], pending_tokens=0)
             groups.setdefault(seq.request.request_id, []).append(row)
         merged, failed = RunnerOutput(), {}

@@ -58,9 +58,9 @@ class SchedulerOutput:
     step: int = 0
     # sequences finished or preempted since the last step: per-sequence runner state may go
     finished_seq_ids: list[int] = field(default_factory=list)
-    # scheduled ahead, while the previous step ran (Scheduler.schedule_ahead): its rows are
-    # that step's decode rows in the same order, each one position on, and their input
-    # tokens are what that step sampled, taken on the device (token_ids hold stale values)
+    # scheduled ahead, while the previous step ran (Scheduler.schedule_ahead): its rows with
+    # pending_tokens decode what that step samples, taken on the device (their token_ids hold
+    # stale values); the others are prompt chunks, as in any step
     chained: bool = False
 
     @property

@@ -169,15 +169,17 @@ class Scheduler:
 
     # ------------------------------------------------------------ schedule
 
-    def _row(self, seq: Sequence, end: int) -> ScheduledSeq:
+    def _row(self, seq: Sequence, end: int, start: int | None = None) -> ScheduledSeq:
+        """seq's tokens [start, end) (start: its computed tokens, unless given)."""
         request = seq.request
+        start = seq.num_computed if start is None else start
         sample = end == seq.num_tokens and request.params.max_tokens != 0
         want_prompt_lp = (request.params.prompt_logprobs is not None and seq.index == 0
-                          and seq.num_preemptions == 0 and seq.num_computed < request.num_prompt_tokens)
+                          and seq.num_preemptions == 0 and start < request.num_prompt_tokens)
         return ScheduledSeq(
             seq_id=seq.seq_id,
-            token_ids=seq.token_slice(seq.num_computed, end),
-            start_pos=seq.num_computed,
+            token_ids=seq.token_slice(start, end),
+            start_pos=start,
             kv_start=self.kv.region(seq.seq_id)[0],
             sample=sample,
             sampling=request.params,
@@ -260,7 +262,16 @@ class Scheduler:
             end = min(self._prefill_target(seq), budget)
             rows.append(self._row(seq, end))
             budget -= end
-        while budget > 0 and self.waiting and not self.preempted:
+        if not self.preempted:
+            self._admit_waiting(budget, rows, copies)
+
+        gone, self._gone = self._gone, []
+        return SchedulerOutput(seqs=rows, kv_copies=copies, step=self._step, finished_seq_ids=gone)
+
+    def _admit_waiting(self, budget: int, rows: list[ScheduledSeq], copies: list[KVCopy]) -> None:
+        """New requests, in arrival order, while the budget, max_num_seqs and the pool allow:
+        the first chunk of each one's prompt."""
+        while budget > 0 and self.waiting:
             request = self.waiting[0]
             capacity = self._initial_capacity(request, request.num_prompt_tokens)
             if not self._admit(request.seqs, [capacity] * len(request.seqs)):
@@ -277,44 +288,73 @@ class Scheduler:
             rows.append(self._row(seq0, end))
             budget -= end
 
-        gone, self._gone = self._gone, []
-        return SchedulerOutput(seqs=rows, kv_copies=copies, step=self._step, finished_seq_ids=gone)
-
     def schedule_ahead(self, prev: SchedulerOutput, max_rows: int) -> SchedulerOutput | None:
         """The step after `prev`, scheduled while `prev` still runs (before update(prev)), or
-        None when it cannot be known yet: the same decode rows in the same order, each one
-        position on, its input the token `prev` samples (the runner takes it on the device).
+        None when it cannot be known yet. Its rows, in schedule()'s order:
+        - a decode row for each row of prev that samples, one position on, its input the
+          token prev samples (pending_tokens=1: the runner takes it on the device); at most
+          max_rows of them. A row whose token ends it by length (max_tokens, the context
+          limit) gets none: update(prev) finishes it;
+        - the next chunk of each prompt prev ran part of (its tokens are known);
+        - new requests admitted from the waiting queue, as schedule() admits them.
+        So prefills join the steps launched ahead, and the device does not wait for the
+        host's update and schedule when requests arrive.
 
-        Only the steady state qualifies: `prev` decoded every running sequence and no one
-        waits; no row ends by length with prev's token or needs its region grown (a move
-        would copy a token not counted yet). A row that prev's token turns out to stop
-        (EOS, stop token or string) has a token computed in vain: update skips finished
+        None unless every running sequence is in prev and none needs anything only a plain
+        step does: a region grown (a move would copy a token not counted yet), preempted
+        sequences readmitted, a fork, prompt logprobs. A row that prev's token turns out to
+        stop (EOS, stop token or string) has a token computed in vain: update skips finished
         sequences, as it does for any sequence that finishes while a step is in flight.
         """
-        if (self.waiting or self.preempted or not prev.seqs or len(prev.seqs) > max_rows
-                or len(prev.seqs) != len(self.running)):
+        if self.preempted or not prev.seqs:
             return None
-        rows: list[ScheduledSeq] = []
+        in_prev = {row.seq_id for row in prev.seqs}
+        if any(seq.seq_id not in in_prev for seq in self.running):
+            return None
+        budget = self.config.max_num_batched_tokens
+        decodes: list[ScheduledSeq] = []
+        chunks: list[ScheduledSeq] = []
         for row in prev.seqs:
             seq = self._seqs.get(row.seq_id)
-            if (seq is None or seq.status is not SeqStatus.RUNNING or seq.needs_fork or len(row.token_ids) != 1
-                    or not row.sample or row.want_prompt_logprobs or seq.num_computed != row.start_pos):
+            if seq is None or seq.status is not SeqStatus.RUNNING:
+                continue  # aborted meanwhile
+            if seq.needs_fork or row.want_prompt_logprobs or seq.num_computed != row.start_pos:
                 return None
             params = seq.request.params
-            generated = len(seq.output_token_ids) + 1  # with prev's token
-            if ((params.max_tokens is not None and generated >= params.max_tokens)
-                    or seq.num_tokens + 1 >= self.max_model_len):
-                return None
-            start, capacity = self.kv.region(seq.seq_id)
-            if row.kv_len + 1 > capacity:
-                return None
-            rows.append(ScheduledSeq(
-                seq_id=seq.seq_id, token_ids=row.token_ids, start_pos=row.kv_len, kv_start=start, sample=True,
-                sampling=params, output_token_ids=seq.output_token_ids, prompt_token_ids=row.prompt_token_ids,
-                rng_seed=seq.rng_seed, pending_tokens=1))
+            if row.sample:
+                generated = len(seq.output_token_ids) + 1  # with prev's token
+                if ((params.max_tokens is not None and generated >= params.max_tokens)
+                        or seq.num_tokens + 1 >= self.max_model_len):
+                    continue  # prev's token is its last
+                start, capacity = self.kv.region(seq.seq_id)
+                if row.kv_len + 1 > capacity:
+                    return None
+                decodes.append(ScheduledSeq(
+                    seq_id=seq.seq_id, token_ids=row.token_ids[-1:], start_pos=row.kv_len, kv_start=start,
+                    sample=True, sampling=params, output_token_ids=seq.output_token_ids,
+                    prompt_token_ids=seq.prompt_token_ids, rng_seed=seq.rng_seed, pending_tokens=1))
+            else:
+                target = self._prefill_target(seq)
+                if row.kv_len < target:
+                    chunks.append(row)  # placeholder: cut once the decodes have taken their share
+        if len(decodes) > max_rows or len(decodes) > budget:
+            return None
+        budget -= len(decodes)
+        rows = decodes
+        for row in chunks:
+            if budget < 1:
+                break
+            seq = self._seqs[row.seq_id]
+            end = min(self._prefill_target(seq), row.kv_len + budget)
+            rows.append(self._row(seq, end, start=row.kv_len))
+            budget -= end - row.kv_len
+        copies: list[KVCopy] = []
+        self._admit_waiting(budget, rows, copies)
+        if not rows:
+            return None
         self._step += 1
         gone, self._gone = self._gone, []
-        return SchedulerOutput(seqs=rows, step=self._step, finished_seq_ids=gone, chained=True)
+        return SchedulerOutput(seqs=rows, kv_copies=copies, step=self._step, finished_seq_ids=gone, chained=True)
 
     # ------------------------------------------------------------ update
 

@@ -251,23 +251,26 @@ class ChainingRunner(OverlappingRunner):
         super().__init__(inner)
         self.last: dict[int, int] = {}
         self.chained = 0
+        self.chained_prefills = 0  # steps launched ahead with prompt tokens (admissions, chunks)
 
     def submit(self, out):
         if out.chained:
+            self.chained += 1
+            self.chained_prefills += any(not r.pending_tokens for r in out.seqs)
             out = dataclasses.replace(out, chained=False, seqs=[
                 dataclasses.replace(r, token_ids=[self.last[r.seq_id]], pending_tokens=0,
                                     output_token_ids=r.output_token_ids + [self.last[r.seq_id]])
-                for r in out.seqs])
-            self.chained += 1
+                if r.pending_tokens else r for r in out.seqs])
         finish = super().submit(out)
         self.last.update(finish().sampled)
         self.waits -= 1  # finish() above was this wrapper's, not the engine's
         return finish
 
 
-def overlapping_engine(smollm2, smollm2_path, runner=OverlappingRunner) -> Engine:
+def overlapping_engine(smollm2, smollm2_path, runner=OverlappingRunner, max_num_seqs: int = 256) -> Engine:
     engine = Engine(EngineConfig(model=smollm2_path, device="cpu",
-                                 scheduler=SchedulerConfig(max_model_len=1024)), model=smollm2)
+                                 scheduler=SchedulerConfig(max_model_len=1024, max_num_seqs=max_num_seqs)),
+                    model=smollm2)
     engine.runner = runner(engine.runner)
     return engine
 
@@ -327,16 +330,17 @@ def test_overlapping_runs_give_the_outputs_of_plain_runs(smollm2, smollm2_path, 
     """Same tokens, texts, stop reasons and logprobs with and without the overlap, stop
     strings included: a sequence stopped by one while its next token was being computed
     does not get that token. chained: steps are also launched ahead of the previous step's
-    update (seeded sampling, a repetition penalty and min_tokens count the token in flight)."""
+    update (seeded sampling, a repetition penalty and min_tokens count the token in flight),
+    with room for 3 sequences, so that the later prompts are admitted in steps launched ahead."""
     prompts = PROMPTS[:4] + ["The capital of France is"]
     params = [SamplingParams(max_tokens=12 + 3 * i, temperature=0, logprobs=2 if i == 1 else None,
                              repetition_penalty=1.3 if i == 2 else 1.0, min_tokens=10 if i == 3 else 0)
               for i in range(4)] + [SamplingParams(n=3, max_tokens=30, temperature=0.9, seed=7, stop=[".", " the"])]
-    engine = overlapping_engine(smollm2, smollm2_path, runner)
+    engine = overlapping_engine(smollm2, smollm2_path, runner, max_num_seqs=3 if runner is ChainingRunner else 256)
     got = run_all(engine, prompts, params)
     want = run_all(llm.engine, prompts, params)
     if runner is ChainingRunner:
-        assert engine.runner.chained > 10
+        assert engine.runner.chained > 10 and engine.runner.chained_prefills >= 1
     assert any(c.finish_reason == "stop" for c in want[4][-1].outputs)
     for i in range(len(prompts)):
         assert got[i][-1].finished and want[i][-1].finished

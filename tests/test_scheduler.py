@@ -345,15 +345,17 @@ class ChainingFakeRunner(FakeRunner):
         super().__init__(num_slots)
         self.last: dict[int, int] = {}
         self.chained = 0
+        self.chained_prefills = 0  # steps scheduled ahead with prompt tokens (admissions, chunks)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         if out.chained:
             self.chained += 1
-            assert all(r.pending_tokens == 1 for r in out.seqs)
+            self.chained_prefills += any(not r.pending_tokens for r in out.seqs)
+            assert all(r.pending_tokens in (0, 1) and (r.num_tokens == 1 or not r.pending_tokens) for r in out.seqs)
             out = dataclasses.replace(out, chained=False, seqs=[
                 dataclasses.replace(r, token_ids=[self.last[r.seq_id]], pending_tokens=0,
                                     output_token_ids=r.output_token_ids + [self.last[r.seq_id]])
-                for r in out.seqs])
+                if r.pending_tokens else r for r in out.seqs])
         result = super().execute(out)
         self.last.update(result.sampled)
         return result
@@ -395,7 +397,7 @@ def test_steps_scheduled_ahead_give_the_outputs_of_plain_steps():
     for r in ahead:
         add(s2, r)
     run_ahead(s2, s2_runner)
-    assert s2_runner.chained > 20
+    assert s2_runner.chained > 20 and s2_runner.chained_prefills >= 2  # admissions launched ahead too
     assert any(c.num_tokens for step in s2_runner.steps for c in step.kv_copies)  # moves happened
     for p, a in zip(plain, ahead):
         assert a.seqs[0].output_token_ids == p.seqs[0].output_token_ids
@@ -405,23 +407,40 @@ def test_steps_scheduled_ahead_give_the_outputs_of_plain_steps():
     assert s2.kv.usage == 0.0 and not s2.running and not s2.requests
 
 
-def test_schedule_ahead_only_in_steady_decoding():
-    s, runner = make_scheduler(max_num_seqs=2, initial_decode_slots=4)
-    a, b, c = make_requests([6, 6, 6], max_tokens=3)
+def test_schedule_ahead_rows():
+    """The step after prev, before update(prev): a decode row (pending token) for each row of
+    prev that samples, the next chunk of a prompt prev ran part of, then admissions."""
+    s, runner = make_scheduler(max_num_seqs=3, max_num_batched_tokens=16, initial_decode_slots=4)
+    a, b, c, d = make_requests([6, 6, 20, 6], max_tokens=3)
     add(s, a)
     add(s, b)
-    out = s.schedule()  # both prefill
-    assert s.schedule_ahead(out, 8) is None  # prefill rows: their next step is not a decode of each
-    s.update(out, runner.execute(out))
-    out = s.schedule()  # both decode their first token
+    out = s.schedule()  # both prompts whole
     nxt = s.schedule_ahead(out, 8)
     assert nxt.chained and [r.seq_id for r in nxt.seqs] == [r.seq_id for r in out.seqs]
-    assert [r.start_pos for r in nxt.seqs] == [r.kv_len for r in out.seqs]
-    assert all(r.pending_tokens == 1 and r.sample for r in nxt.seqs)
-    assert s.schedule_ahead(out, 1) is None  # more rows than the runner chains
+    assert [r.start_pos for r in nxt.seqs] == [r.kv_len for r in out.seqs] == [6, 6]
+    assert all(r.pending_tokens == 1 and r.sample and r.num_tokens == 1 for r in nxt.seqs)
+    assert s.schedule_ahead(out, 1) is None  # more decode rows than the runner chains
     add(s, c)
-    assert s.schedule_ahead(out, 8) is None  # someone waits: admit it in a plain step
-    s.abort(c.request_id)
+    nxt = s.schedule_ahead(out, 8)  # c is admitted ahead: 2 decodes + the first 14 of its 20 tokens
+    assert [(r.seq_id, r.start_pos, r.num_tokens, r.pending_tokens) for r in nxt.seqs] == \
+        [(0, 6, 1, 1), (1, 6, 1, 1), (2, 0, 14, 0)]
+    assert not nxt.seqs[2].sample and c.seqs[0] in s.running and c.timings.first_scheduled is not None
     s.update(out, runner.execute(out))
-    out = s.schedule()  # the second decode: the third token ends both by max_tokens
-    assert s.schedule_ahead(out, 8) is None
+    nxt_result = runner.execute(dataclasses.replace(nxt, seqs=[
+        dataclasses.replace(r, token_ids=s.get_seq(r.seq_id).output_token_ids[-1:], pending_tokens=0)
+        if r.pending_tokens else r for r in nxt.seqs]))
+    add(s, d)  # max_num_seqs is reached: d waits
+    after = s.schedule_ahead(nxt, 8)  # a and b's third tokens, c's last 6 prompt tokens (it samples)
+    assert [(r.seq_id, r.start_pos, r.num_tokens, r.sample) for r in after.seqs] == \
+        [(0, 7, 1, True), (1, 7, 1, True), (2, 14, 6, True)]
+    assert d.seqs[0] not in s.running
+    s.update(nxt, nxt_result)
+    assert [len(q.seqs[0].output_token_ids) for q in (a, b)] == [2, 2]
+    last = s.schedule_ahead(after, 8)  # a and b end with after's token (max_tokens 3): only c decodes
+    assert [(r.seq_id, r.start_pos, r.pending_tokens) for r in last.seqs] == [(2, 20, 1)]
+    s.abort(d.request_id)
+    s.preempted.append(c.seqs[0])  # a sequence to readmit: only a plain step does that
+    assert s.schedule_ahead(nxt, 8) is None
+    s.preempted.clear()
+    assert s.schedule_ahead(dataclasses.replace(after, seqs=after.seqs[:2]), 8) is None  # c runs, not in prev
+    assert s.schedule_ahead(after, 8) is not None

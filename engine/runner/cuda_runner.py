@@ -333,6 +333,9 @@ class CudaRunner:
         b = self.buffers
         self._outputs = HostOutputs({"sampled": b.sampled, "lp_value": b.lp_value, "lp_rank": b.lp_rank,
                                      "lp_top_ids": b.lp_top_ids, "lp_top_values": b.lp_top_values})
+        # the last step submitted: where each sampling sequence's token is in `sampled` (the
+        # rows of a step launched ahead with pending_tokens take theirs from there)
+        self._sampled_at: dict[int, int] = {}
         log.info("CUDA runner: %s weights%s, decode buffers %.1f MiB, KV pool %d slots (%.2f GiB, %s), graphs for %s",
                  self.dtype_name, " (layers fp8 e4m3)" if self.quant_fp8 else "", self.buffers.memory_bytes() / 2**20,
                  self.num_kv_slots, self.kv_pool_bytes / 2**30, "fp8 e4m3" if self.kv_fp8 else self.dtype_name,
@@ -809,17 +812,36 @@ class CudaRunner:
             for c in out.kv_copies:
                 self._copy_kv(c.src_start, c.dst_start, c.num_tokens)
         if out.is_empty:
+            self._sampled_at = {}
             return lambda: RunnerOutput()
         if self._decodes(out):
-            return self._submit_decode(out.seqs, out.chained)
-        if out.chained:
-            raise ValueError(f"step {out.step} is chained but not a decode step of <= {self.rows} rows")
+            return self._submit_decode(out.seqs)
         return self._submit_varlen(out.seqs)
 
     @property
     def chain_rows(self) -> int:
-        """Rows a step launched ahead may have (Engine._submit_ahead): one decode graph's."""
+        """Pending rows a step launched ahead may have (Engine._submit_ahead): one decode graph's."""
         return self.rows
+
+    def _pending_inputs(self, rows: list[ScheduledSeq], token_at: np.ndarray, ids: cp.ndarray) -> None:
+        """On the stream: the input token of each row with a pending token (a step launched
+        ahead, Scheduler.schedule_ahead) is what the last step submitted sampled for it, still
+        on the device: copied from `sampled` to ids[token_at[row]]. One copy when those rows
+        are the last step's sampling rows in order (steady decoding), else a gather."""
+        pending = [i for i, r in enumerate(rows) if r.pending_tokens]
+        if not pending:
+            return
+        try:
+            src = [self._sampled_at[rows[i].seq_id] for i in pending]
+        except KeyError as exc:
+            raise ValueError(f"sequence {exc.args[0]} has a pending token but the last step did not sample it") from None
+        dst = token_at[pending]
+        sampled = self.buffers.sampled
+        if src == list(range(len(src))) and np.array_equal(dst, np.arange(len(dst))):
+            cp.cuda.runtime.memcpyAsync(ids.data.ptr, sampled.data.ptr, len(src) * ids.itemsize,
+                                        cp.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
+        else:
+            ids[cp.asarray(dst)] = sampled[cp.asarray(np.asarray(src, np.int64))]
 
     def _decodes(self, out: SchedulerOutput) -> bool:
         """Whether a step runs as a decode step (one graph), not through the ragged path."""
@@ -836,9 +858,9 @@ class CudaRunner:
                                           n * self._slot_bytes, self.config.num_layers,
                                           cp.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
 
-    def _submit_decode(self, rows: list[ScheduledSeq], chained: bool = False) -> Callable[[], RunnerOutput]:
-        """chained: each row's input token is what the previous step sampled for the same
-        row (still on the device), not row.token_ids."""
+    def _submit_decode(self, rows: list[ScheduledSeq]) -> Callable[[], RunnerOutput]:
+        """A row with a pending token takes as its input what the last step sampled for it
+        (still on the device), not row.token_ids (_pending_inputs)."""
         B = len(rows)
         bucket = bucket_for(B)
         inputs = self.buffers.inputs
@@ -855,10 +877,8 @@ class CudaRunner:
         start, end, _ = self._outputs.events[slot]
         with self.stream:
             inputs.upload(self.stream, upto=None if extra else "banned_n")
-            if chained:
-                ids = inputs.dev["input_ids"]
-                cp.cuda.runtime.memcpyAsync(ids.data.ptr, self.buffers.sampled.data.ptr, B * ids.itemsize,
-                                            cp.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
+            self._pending_inputs(rows, np.arange(B), inputs.dev["input_ids"])
+            self._sampled_at = {r.seq_id: i for i, r in enumerate(rows)}
             start.record(self.stream)
             if bucket in self.graphs:
                 self.graphs[bucket].launch(self.stream)
@@ -936,6 +956,8 @@ class CudaRunner:
                 ("tok_ids", tok_ids), ("tok_pos", tok_pos), ("tok_k", tok_k), ("tok_v", tok_v),
                 ("tile_seq", tile_seq), ("tile_q0", tile_q0), ("q_start", q_start), ("q_len", q_lens),
                 ("kv_len", np.array([r.kv_len for r in rows], np.int32)), ("seq_k", seq_k), ("seq_v", seq_v))}
+            self._pending_inputs(rows, q_start, dev["tok_ids"])
+            self._sampled_at = {rows[i].seq_id: j for j, i in enumerate(logit_rows)}
             embedding(dev["tok_ids"], w.embed_tokens, b.embed_out[:T])
 
             window = cfg.sliding_window or 0
