@@ -316,7 +316,7 @@ def test_admissions_launched_ahead_give_the_same_outputs(gpu_engine):
         return with_prompts, [[(t, lp.logprob) for o in outs[i] for c in o.outputs
                                for t, lp in zip(c.token_ids, c.logprobs)] for i in range(2 * len(PROMPTS))]
     try:
-        gpu_engine.scheduler.config = dataclasses.replace(config, max_num_batched_tokens=16)
+        gpu_engine.scheduler.config = dataclasses.replace(config, max_num_batched_tokens=16, max_num_seqs=16)
         with_prompts, got = run(True)
         none, want = run(False)
     finally:
