@@ -204,8 +204,10 @@ class Scheduler:
                 sib.num_computed = prefix
                 sib.needs_fork = False
 
-    def _admit(self, seqs: list[Sequence], capacities: list[int]) -> bool:
-        if len(self.running) + len(seqs) > self.config.max_num_seqs:
+    def _admit(self, seqs: list[Sequence], capacities: list[int], ending: int = 0) -> bool:
+        """Run seqs with regions of these capacities, if max_num_seqs and the pool allow;
+        `ending` running sequences are known to end before the step these join."""
+        if len(self.running) - ending + len(seqs) > self.config.max_num_seqs:
             return False
         if not self.kv.can_allocate(capacities):
             return False
@@ -268,13 +270,13 @@ class Scheduler:
         gone, self._gone = self._gone, []
         return SchedulerOutput(seqs=rows, kv_copies=copies, step=self._step, finished_seq_ids=gone)
 
-    def _admit_waiting(self, budget: int, rows: list[ScheduledSeq], copies: list[KVCopy]) -> None:
+    def _admit_waiting(self, budget: int, rows: list[ScheduledSeq], copies: list[KVCopy], ending: int = 0) -> int:
         """New requests, in arrival order, while the budget, max_num_seqs and the pool allow:
-        the first chunk of each one's prompt."""
+        the first chunk of each one's prompt (`ending`: as _admit). Returns the budget left."""
         while budget > 0 and self.waiting:
             request = self.waiting[0]
             capacity = self._initial_capacity(request, request.num_prompt_tokens)
-            if not self._admit(request.seqs, [capacity] * len(request.seqs)):
+            if not self._admit(request.seqs, [capacity] * len(request.seqs), ending):
                 break
             self.waiting.popleft()
             if request.timings.first_scheduled is None:
@@ -287,6 +289,7 @@ class Scheduler:
             end = min(target, budget)
             rows.append(self._row(seq0, end))
             budget -= end
+        return budget
 
     def schedule_ahead(self, prev: SchedulerOutput, max_rows: int) -> SchedulerOutput | None:
         """The step after `prev`, scheduled while `prev` still runs (before update(prev)), or
@@ -297,8 +300,10 @@ class Scheduler:
           limit) gets none: update(prev) finishes it;
         - the next chunk of each prompt prev ran part of (its tokens are known);
         - new requests admitted from the waiting queue, as schedule() admits them.
-        So prefills join the steps launched ahead, and the device does not wait for the
-        host's update and schedule when requests arrive.
+        Prompts are launched ahead only when they fill the step (_prompts_fill): a step
+        launched ahead is fixed before requests that arrive meanwhile could join it, which
+        would cost them a step when there is room. Under a queue, the device then does not
+        wait for the host's update and schedule between steps that take prompts.
 
         None unless every running sequence is in prev and none needs anything only a plain
         step does: a region grown (a move would copy a token not counted yet), preempted
@@ -314,6 +319,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         decodes: list[ScheduledSeq] = []
         chunks: list[ScheduledSeq] = []
+        ending: list[int] = []  # sequences whose token from prev is their last
         for row in prev.seqs:
             seq = self._seqs.get(row.seq_id)
             if seq is None or seq.status is not SeqStatus.RUNNING:
@@ -325,7 +331,8 @@ class Scheduler:
                 generated = len(seq.output_token_ids) + 1  # with prev's token
                 if ((params.max_tokens is not None and generated >= params.max_tokens)
                         or seq.num_tokens + 1 >= self.max_model_len):
-                    continue  # prev's token is its last
+                    ending.append(seq.seq_id)  # prev's token is its last
+                    continue
                 start, capacity = self.kv.region(seq.seq_id)
                 if row.kv_len + 1 > capacity:
                     return None
@@ -340,6 +347,9 @@ class Scheduler:
         if len(decodes) > max_rows or len(decodes) > budget:
             return None
         budget -= len(decodes)
+        prompt_tokens = sum(self._prefill_target(self._seqs[r.seq_id]) - r.kv_len for r in chunks)
+        if (chunks or self.waiting) and not self._prompts_fill(budget - prompt_tokens, len(ending)):
+            return None  # a plain step, scheduled once prev is done, can take what arrives meanwhile
         rows = decodes
         for row in chunks:
             if budget < 1:
@@ -349,12 +359,34 @@ class Scheduler:
             rows.append(self._row(seq, end, start=row.kv_len))
             budget -= end - row.kv_len
         copies: list[KVCopy] = []
-        self._admit_waiting(budget, rows, copies)
+        # the ending sequences' places go to new ones already (their regions are freed by
+        # update(prev)); the runner lets go of their state when this step is submitted, after
+        # prev on its stream
+        self._admit_waiting(budget, rows, copies, ending=len(ending))
         if not rows:
             return None
         self._step += 1
         gone, self._gone = self._gone, []
-        return SchedulerOutput(seqs=rows, kv_copies=copies, step=self._step, finished_seq_ids=gone, chained=True)
+        return SchedulerOutput(seqs=rows, kv_copies=copies, step=self._step, finished_seq_ids=gone + ending,
+                               chained=True)
+
+    def _prompts_fill(self, budget: int, ending: int) -> bool:
+        """Whether the waiting requests would use up a step's prompt budget (what is left of
+        it after the prompts part-way through), or its room for sequences (max_num_seqs, with
+        `ending` places about to free): then a request arriving later could not have joined
+        that step anyway, and launching it ahead costs no one a step. (The pool's room is
+        left to _admit.)"""
+        if budget <= 0:
+            return True
+        room = self.config.max_num_seqs - (len(self.running) - ending)
+        for request in self.waiting:
+            room -= request.params.n
+            if room < 0:
+                return True
+            budget -= request.num_prompt_tokens
+            if budget <= 0:
+                return True
+        return room <= 0
 
     # ------------------------------------------------------------ update
 

@@ -434,13 +434,18 @@ def test_schedule_ahead_rows():
     assert [(r.seq_id, r.start_pos, r.num_tokens, r.sample) for r in after.seqs] == \
         [(0, 7, 1, True), (1, 7, 1, True), (2, 14, 6, True)]
     assert d.seqs[0] not in s.running
-    s.update(nxt, nxt_result)
-    assert [len(q.seqs[0].output_token_ids) for q in (a, b)] == [2, 2]
-    last = s.schedule_ahead(after, 8)  # a and b end with after's token (max_tokens 3): only c decodes
-    assert [(r.seq_id, r.start_pos, r.pending_tokens) for r in last.seqs] == [(2, 20, 1)]
-    s.abort(d.request_id)
+    assert s.schedule_ahead(dataclasses.replace(nxt, seqs=nxt.seqs[:2]), 8) is None  # c runs, not in prev
     s.preempted.append(c.seqs[0])  # a sequence to readmit: only a plain step does that
     assert s.schedule_ahead(nxt, 8) is None
     s.preempted.clear()
-    assert s.schedule_ahead(dataclasses.replace(after, seqs=after.seqs[:2]), 8) is None  # c runs, not in prev
-    assert s.schedule_ahead(after, 8) is not None
+    s.update(nxt, nxt_result)
+    assert [len(q.seqs[0].output_token_ids) for q in (a, b)] == [2, 2]
+    # a and b end with after's token (max_tokens 3): room for d and one more, and d's 6 tokens
+    # leave the step room too: a plain step, which can take what arrives meanwhile
+    assert s.schedule_ahead(after, 8) is None and d.seqs[0] not in s.running
+    e = make_requests([30], prefix="e")[0]
+    add(s, e)  # now the prompts fill the step: c decodes, d whole, e's first 9 tokens, in a's and b's places
+    last = s.schedule_ahead(after, 8)
+    assert [(r.seq_id, r.start_pos, r.num_tokens, r.pending_tokens) for r in last.seqs] == \
+        [(2, 20, 1, 1), (3, 0, 6, 0), (4, 0, 9, 0)]
+    assert sorted(last.finished_seq_ids) == [0, 1]  # their state can go when this step is submitted
