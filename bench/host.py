@@ -125,7 +125,8 @@ def build_engine(args):
                        chain_rows=args.max_num_seqs)
     config = EngineConfig(model=args.model, device="cpu", scheduler=SchedulerConfig(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.input_len + args.output_len + 16, max_waiting=max(args.num_prompts, 1)))
+        max_model_len=args.input_len + args.output_len + 16, max_waiting=max(args.num_prompts, 1),
+        prompts_ahead=args.schedule_prompts_ahead))
     return Engine(config, model, runner=runner), runner
 
 
@@ -232,6 +233,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--processes", type=int, default=None, help="HTTP client processes (bench/serve.py's)")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--schedule-prompts-ahead", action="store_true", help="as the server's setting")
     ap.add_argument("--sim-step-ms", type=float, default=1.0, help="cost model: ms a step")
     ap.add_argument("--sim-decode-ms", type=float, default=0.028, help="cost model: ms a decode row")
     ap.add_argument("--sim-prompt-us", type=float, default=14.6, help="cost model: us a prompt token")

@@ -214,7 +214,8 @@ async def run_engine(args) -> list[dict]:
         cache=CacheConfig(kv_cache_bytes=gib, kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_waiting=max(args.num_prompts, 1),
                                   max_num_batched_tokens=max(args.budgets),
-                                  max_model_len=args.input_len + args.output_len + 16)))
+                                  max_model_len=args.input_len + args.output_len + 16,
+                                  prompts_ahead=args.schedule_prompts_ahead)))
     args.vocab = min(args.vocab, engine.model_config.vocab_size)
     prompts = make_prompts(args)
     summaries, traces = [], []
@@ -286,6 +287,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     engine.add_argument("--max-num-seqs", type=int, default=256)
     engine.add_argument("--max-num-batched-tokens", default="8192",
                         help="token budget per step; a comma-separated list runs the load once per budget")
+    engine.add_argument("--schedule-prompts-ahead", action="store_true", help="as the server's setting")
     engine.add_argument("--trace", help="write every step's (decode rows, prompt tokens, seconds) here "
                                         "(a list of such traces with several budgets)")
     args = ap.parse_args(argv)

@@ -207,6 +207,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # tokens per step (decodes + prefill chunks)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_waiting: int = 1024  # requests queued beyond this are refused (overload)
+    # launch steps that take prompts ahead of the step in flight too, when the waiting
+    # requests fill them (Scheduler.schedule_ahead), not only steady decode steps
+    prompts_ahead: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):

@@ -362,12 +362,21 @@ class Engine:
         tell it already (Scheduler.schedule_ahead: the decode rows of what prev samples, the
         rest of its prompts, admissions) and the runner can take input tokens from `prev`'s
         output on the device (`chain_rows`, the CUDA runner): the device then goes from one
-        step to the next without waiting for the host's update and schedule. Requests that
-        came in meanwhile are taken in first (their aborts and refusals are returned)."""
+        step to the next without waiting for the host's update and schedule.
+
+        Requests that came in meanwhile are taken by a plain step, unless the scheduler may
+        launch prompts ahead (SchedulerConfig.prompts_ahead): then they are taken in first
+        (their aborts and refusals are returned) and join the step launched ahead when the
+        waiting requests fill it."""
         max_rows = getattr(self.runner, "chain_rows", 0)
         if not (self.schedule_ahead and max_rows):
             return []
-        outputs = self._drain_inbox()
+        if not self.scheduler.config.prompts_ahead:
+            if self._inbox:
+                return []
+            outputs = []
+        else:
+            outputs = self._drain_inbox()
         nxt = self.scheduler.schedule_ahead(prev, max_rows)
         if nxt is None:
             return outputs

@@ -300,10 +300,12 @@ class Scheduler:
           limit) gets none: update(prev) finishes it;
         - the next chunk of each prompt prev ran part of (its tokens are known);
         - new requests admitted from the waiting queue, as schedule() admits them.
-        Prompts are launched ahead only when they fill the step (_prompts_fill): a step
-        launched ahead is fixed before requests that arrive meanwhile could join it, which
-        would cost them a step when there is room. Under a queue, the device then does not
-        wait for the host's update and schedule between steps that take prompts.
+        The last two only with SchedulerConfig.prompts_ahead, and only when the waiting
+        requests fill the step (_prompts_fill): a step launched ahead is fixed before requests
+        that arrive meanwhile could join it, which would cost them a step when there is room.
+        Under a queue, the device then does not wait for the host's update and schedule
+        between steps that take prompts. Without it, only steady decoding goes ahead: prev
+        decoded every running sequence, and no one waits.
 
         None unless every running sequence is in prev and none needs anything only a plain
         step does: a region grown (a move would copy a token not counted yet), preempted
@@ -344,6 +346,8 @@ class Scheduler:
                 target = self._prefill_target(seq)
                 if row.kv_len < target:
                     chunks.append(row)  # placeholder: cut once the decodes have taken their share
+        if not self.config.prompts_ahead and (chunks or self.waiting or any(r.num_tokens != 1 for r in prev.seqs)):
+            return None
         if len(decodes) > max_rows or len(decodes) > budget:
             return None
         budget -= len(decodes)

@@ -39,6 +39,9 @@ class ServeSettings:
     max_num_seqs: int = _s(128, "int", "sequences decoded together at most")
     max_num_batched_tokens: int = _s(2048, "int", "tokens per engine step (decodes + prefill chunks)")
     max_waiting: int = _s(1024, "int", "queued requests beyond this get 503 + Retry-After")
+    schedule_prompts_ahead: bool = _s(False, "bool", "CUDA: also launch engine steps that take prompts while the "
+                                      "step before runs, when waiting requests fill them (more throughput under a "
+                                      "queue; a later first token for requests that arrive meanwhile)")
     kv_cache_gib: float | None = _s(None, "float", "KV cache size in GiB (default: GPU: from "
                                     "gpu_memory_utilization; CPU: cpu_kv_cache_gib)")
     kv_cache_dtype: str = _s("auto", "str", "KV cache element: auto (the model's 16-bit type) or fp8 (e4m3, "
@@ -88,7 +91,8 @@ class ServeSettings:
                               kv_cache_dtype=self.kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens,
-                                      max_model_len=self.max_model_len, max_waiting=self.max_waiting),
+                                      max_model_len=self.max_model_len, max_waiting=self.max_waiting,
+                                      prompts_ahead=self.schedule_prompts_ahead),
         )
 
 

@@ -290,41 +290,48 @@ def test_steps_launched_ahead_give_the_same_outputs(gpu_engine):
     assert gpu_engine.scheduler.kv.usage == 0.0
 
 
-def test_admissions_launched_ahead_give_the_same_outputs(gpu_engine):
-    """Requests that arrive while others decode are admitted in steps launched ahead (their
-    prompt chunks beside decode rows whose input tokens are taken on the device, from a
-    decode or a mixed step before) with the same bits as steps launched one by one. Steps
-    of at most 16 tokens keep every row's arithmetic independent of the step around it
-    (the skinny GEMM; contexts of under 256 keys take one attention split)."""
-    import dataclasses
-    params = SamplingParams(max_tokens=14, temperature=0.8, top_p=0.95, seed=3, logprobs=1, repetition_penalty=1.1)
-    config = gpu_engine.scheduler.config
+def test_tiny_admissions_launched_ahead_give_the_same_outputs(tmp_path):
+    """Requests that arrive while others decode, admitted in steps launched ahead (prompt
+    chunks beside decode rows whose input tokens the runner takes on the device, after a
+    decode or a ragged step) sample the same tokens as steps launched one at a time. Steps
+    of at most 16 tokens keep every row's arithmetic independent of the step around it (the
+    skinny GEMM; contexts of under 256 keys take one attention split)."""
+    from engine.kv_cache import KVCache
+    from engine.request import Request
+    from engine.scheduler import Scheduler
+    model = load_model(str(build_tiny_model(tmp_path, "llama", seed=3)), with_tokenizer=False)
+    params = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.95, repetition_penalty=1.1)
 
     def run(ahead: bool):
-        gpu_engine.schedule_ahead = ahead
-        outs, with_prompts = {}, 0
-        for step in range(400):
-            if step % 3 == 0 and step // 3 < 2 * len(PROMPTS):  # two arrivals of each prompt, one every 3 steps
-                i = step // 3
-                gpu_engine.add_request(gpu_engine.tokenizer.encode(PROMPTS[i % len(PROMPTS)]), params,
-                                       lambda o, i=i: outs.setdefault(i, []).append(o))
-            elif not gpu_engine.has_work():
-                break
-            gpu_engine.step()
-            nxt = gpu_engine._ahead
-            with_prompts += nxt is not None and any(not r.pending_tokens for r in nxt[0].seqs)
-        return with_prompts, [[(t, lp.logprob) for o in outs[i] for c in o.outputs
-                               for t, lp in zip(c.token_ids, c.logprobs)] for i in range(2 * len(PROMPTS))]
-    try:
-        gpu_engine.scheduler.config = dataclasses.replace(config, max_num_batched_tokens=16, max_num_seqs=16)
-        with_prompts, got = run(True)
-        none, want = run(False)
-    finally:
-        gpu_engine.schedule_ahead = True
-        gpu_engine.scheduler.config = config
-    assert with_prompts >= 3 and none == 0
-    assert got == want and all(len(w) == 14 for w in want)
-    assert gpu_engine.scheduler.kv.usage == 0.0
+        done = []
+        runner = cuda_runner(model, max_model_len=256, max_num_seqs=16)
+        s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=256, prompts_ahead=True),
+                      KVCache(runner.num_kv_slots, 16), 256, 8, (2,))
+        requests = [Request(f"r{i}", [(11 * i + j) % (VOCAB - 3) + 3 for j in range(5 + 3 * (i % 4))], params)
+                    for i in range(10)]
+        launched, step, with_prompts = None, 0, 0
+        while requests or s.has_work() or launched is not None:
+            if requests and step % 2 == 0:  # an arrival every other step
+                r = requests.pop(0)
+                s.add_request(r, [int(r.request_id[1:])])
+                done.append(r)
+            step += 1
+            if launched is None:
+                out = s.schedule()
+                if out.is_empty:
+                    continue
+                launched = (out, runner.submit(out))
+            out, finish = launched
+            nxt = s.schedule_ahead(out, runner.chain_rows) if ahead else None
+            with_prompts += nxt is not None and any(not r.pending_tokens for r in nxt.seqs)
+            launched = (nxt, runner.submit(nxt)) if nxt is not None else None
+            s.update(out, finish())
+        return with_prompts, [r.seqs[0].output_token_ids for r in done]
+
+    with_prompts, got = run(True)
+    _, want = run(False)
+    assert with_prompts >= 2
+    assert got == want and all(len(w) == 12 for w in want)
 
 
 def test_prompt_logprobs_on_gpu_match_cpu(gpu_engine, smollm2_runner):

@@ -267,10 +267,10 @@ class ChainingRunner(OverlappingRunner):
         return finish
 
 
-def overlapping_engine(smollm2, smollm2_path, runner=OverlappingRunner, max_num_seqs: int = 256) -> Engine:
-    engine = Engine(EngineConfig(model=smollm2_path, device="cpu",
-                                 scheduler=SchedulerConfig(max_model_len=1024, max_num_seqs=max_num_seqs)),
-                    model=smollm2)
+def overlapping_engine(smollm2, smollm2_path, runner=OverlappingRunner, max_num_seqs: int = 256,
+                       prompts_ahead: bool = False) -> Engine:
+    engine = Engine(EngineConfig(model=smollm2_path, device="cpu", scheduler=SchedulerConfig(
+        max_model_len=1024, max_num_seqs=max_num_seqs, prompts_ahead=prompts_ahead)), model=smollm2)
     engine.runner = runner(engine.runner)
     return engine
 
@@ -325,22 +325,26 @@ def test_an_overlapping_engine_wakes_the_event_loop_before_waiting_for_the_devic
     assert flushes == [(2, 1), (3, 2), (4, 3), (4, 4)]
 
 
-@pytest.mark.parametrize("runner", [OverlappingRunner, ChainingRunner], ids=["overlap", "chained"])
-def test_overlapping_runs_give_the_outputs_of_plain_runs(smollm2, smollm2_path, llm, runner):
+@pytest.mark.parametrize("runner,prompts_ahead", [(OverlappingRunner, False), (ChainingRunner, False),
+                                                   (ChainingRunner, True)], ids=["overlap", "chained", "prompts"])
+def test_overlapping_runs_give_the_outputs_of_plain_runs(smollm2, smollm2_path, llm, runner, prompts_ahead):
     """Same tokens, texts, stop reasons and logprobs with and without the overlap, stop
     strings included: a sequence stopped by one while its next token was being computed
     does not get that token. chained: steps are also launched ahead of the previous step's
-    update (seeded sampling, a repetition penalty and min_tokens count the token in flight),
-    with room for 3 sequences, so that the later prompts are admitted in steps launched ahead."""
+    update (seeded sampling, a repetition penalty and min_tokens count the token in flight).
+    prompts: with room for 3 sequences, so that the later prompts are admitted while others
+    decode, and those admissions launched ahead too (SchedulerConfig.prompts_ahead)."""
     prompts = PROMPTS[:4] + ["The capital of France is"]
     params = [SamplingParams(max_tokens=12 + 3 * i, temperature=0, logprobs=2 if i == 1 else None,
                              repetition_penalty=1.3 if i == 2 else 1.0, min_tokens=10 if i == 3 else 0)
               for i in range(4)] + [SamplingParams(n=3, max_tokens=30, temperature=0.9, seed=7, stop=[".", " the"])]
-    engine = overlapping_engine(smollm2, smollm2_path, runner, max_num_seqs=3 if runner is ChainingRunner else 256)
+    engine = overlapping_engine(smollm2, smollm2_path, runner, max_num_seqs=3 if prompts_ahead else 256,
+                                prompts_ahead=prompts_ahead)
     got = run_all(engine, prompts, params)
     want = run_all(llm.engine, prompts, params)
     if runner is ChainingRunner:
-        assert engine.runner.chained > 10 and engine.runner.chained_prefills >= 1
+        assert engine.runner.chained > 10
+        assert engine.runner.chained_prefills >= 1 if prompts_ahead else engine.runner.chained_prefills == 0
     assert any(c.finish_reason == "stop" for c in want[4][-1].outputs)
     for i in range(len(prompts)):
         assert got[i][-1].finished and want[i][-1].finished

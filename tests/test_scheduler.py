@@ -54,9 +54,9 @@ class FakeRunner:
 
 
 def make_scheduler(num_slots=4096, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024,
-                   max_waiting=100, initial_decode_slots=16, block_size=16):
+                   max_waiting=100, initial_decode_slots=16, block_size=16, prompts_ahead=False):
     cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                          max_model_len=max_model_len, max_waiting=max_waiting)
+                          max_model_len=max_model_len, max_waiting=max_waiting, prompts_ahead=prompts_ahead)
     kv = KVCache(num_slots, block_size)
     return Scheduler(cfg, kv, max_model_len, initial_decode_slots, (EOS,)), FakeRunner(kv.num_slots)
 
@@ -375,11 +375,13 @@ def run_ahead(s: Scheduler, runner: ChainingFakeRunner, max_rows: int = 8) -> No
         s.update(out, result)
 
 
-def test_steps_scheduled_ahead_give_the_outputs_of_plain_steps():
+@pytest.mark.parametrize("prompts_ahead", [False, True], ids=["decodes", "prompts"])
+def test_steps_scheduled_ahead_give_the_outputs_of_plain_steps(prompts_ahead):
     """Chained steps (each launched before the previous one's update) produce the same tokens
     and finish reasons as plain steps, with admissions (max_num_seqs), region growth and
     moves (a small pool), stop tokens and the context limit breaking the chain on the way.
-    The token a stopping sequence got in its last chained step is dropped."""
+    The token a stopping sequence got in its last chained step is dropped. prompts: the
+    admissions are launched ahead too."""
     def requests():
         reqs = make_requests([5, 17, 3, 40, 9, 12], max_tokens=30)
         reqs[1] = make_requests([17], max_tokens=30, prefix="s")[0]
@@ -392,12 +394,14 @@ def test_steps_scheduled_ahead_give_the_outputs_of_plain_steps():
     for r in plain:
         add(s, r)
     run_to_completion(s, runner)
-    s2, _ = make_scheduler(num_slots=512, max_num_seqs=4, initial_decode_slots=4, max_model_len=80)
+    s2, _ = make_scheduler(num_slots=512, max_num_seqs=4, initial_decode_slots=4, max_model_len=80,
+                           prompts_ahead=prompts_ahead)
     s2_runner = ChainingFakeRunner(s2.kv.num_slots)
     for r in ahead:
         add(s2, r)
     run_ahead(s2, s2_runner)
-    assert s2_runner.chained > 20 and s2_runner.chained_prefills >= 2  # admissions launched ahead too
+    assert s2_runner.chained > 20
+    assert s2_runner.chained_prefills >= 2 if prompts_ahead else s2_runner.chained_prefills == 0
     assert any(c.num_tokens for step in s2_runner.steps for c in step.kv_copies)  # moves happened
     for p, a in zip(plain, ahead):
         assert a.seqs[0].output_token_ids == p.seqs[0].output_token_ids
@@ -410,7 +414,7 @@ def test_steps_scheduled_ahead_give_the_outputs_of_plain_steps():
 def test_schedule_ahead_rows():
     """The step after prev, before update(prev): a decode row (pending token) for each row of
     prev that samples, the next chunk of a prompt prev ran part of, then admissions."""
-    s, runner = make_scheduler(max_num_seqs=3, max_num_batched_tokens=16, initial_decode_slots=4)
+    s, runner = make_scheduler(max_num_seqs=3, max_num_batched_tokens=16, initial_decode_slots=4, prompts_ahead=True)
     a, b, c, d = make_requests([6, 6, 20, 6], max_tokens=3)
     add(s, a)
     add(s, b)
@@ -449,3 +453,24 @@ def test_schedule_ahead_rows():
     assert [(r.seq_id, r.start_pos, r.num_tokens, r.pending_tokens) for r in last.seqs] == \
         [(2, 20, 1, 1), (3, 0, 6, 0), (4, 0, 9, 0)]
     assert sorted(last.finished_seq_ids) == [0, 1]  # their state can go when this step is submitted
+
+
+def test_schedule_ahead_without_prompts_ahead_only_in_steady_decoding():
+    """SchedulerConfig.prompts_ahead off (the default): only steps that decode every running
+    sequence, with no one waiting, are scheduled ahead."""
+    s, runner = make_scheduler(max_num_seqs=2, initial_decode_slots=4)
+    a, b, c = make_requests([6, 6, 6], max_tokens=3)
+    add(s, a)
+    add(s, b)
+    out = s.schedule()  # both prefill
+    assert s.schedule_ahead(out, 8) is None  # prompt rows: a plain step after them
+    s.update(out, runner.execute(out))
+    out = s.schedule()  # both decode their first token
+    nxt = s.schedule_ahead(out, 8)
+    assert [(r.seq_id, r.start_pos, r.pending_tokens) for r in nxt.seqs] == [(0, 7, 1), (1, 7, 1)]
+    add(s, c)
+    assert s.schedule_ahead(out, 8) is None  # someone waits: admit it in a plain step
+    s.abort(c.request_id)
+    chunked, _ = make_scheduler(max_num_seqs=4, max_num_batched_tokens=4)
+    add(chunked, make_requests([6])[0])
+    assert chunked.schedule_ahead(chunked.schedule(), 8) is None  # a prompt part-way: a plain step
