@@ -300,7 +300,7 @@ def test_tiny_admissions_launched_ahead_give_the_same_outputs(tmp_path):
     from engine.request import Request
     from engine.scheduler import Scheduler
     model = load_model(str(build_tiny_model(tmp_path, "llama", seed=3)), with_tokenizer=False)
-    params = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.95, repetition_penalty=1.1)
+    params = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.95, repetition_penalty=1.1, ignore_eos=True)
 
     def run(ahead: bool):
         done = []
