@@ -270,9 +270,9 @@ class Scheduler:
         gone, self._gone = self._gone, []
         return SchedulerOutput(seqs=rows, kv_copies=copies, step=self._step, finished_seq_ids=gone)
 
-    def _admit_waiting(self, budget: int, rows: list[ScheduledSeq], copies: list[KVCopy], ending: int = 0) -> int:
+    def _admit_waiting(self, budget: int, rows: list[ScheduledSeq], copies: list[KVCopy], ending: int = 0) -> None:
         """New requests, in arrival order, while the budget, max_num_seqs and the pool allow:
-        the first chunk of each one's prompt (`ending`: as _admit). Returns the budget left."""
+        the first chunk of each one's prompt (`ending`: as _admit)."""
         while budget > 0 and self.waiting:
             request = self.waiting[0]
             capacity = self._initial_capacity(request, request.num_prompt_tokens)
@@ -289,7 +289,6 @@ class Scheduler:
             end = min(target, budget)
             rows.append(self._row(seq0, end))
             budget -= end
-        return budget
 
     def schedule_ahead(self, prev: SchedulerOutput, max_rows: int) -> SchedulerOutput | None:
         """The step after `prev`, scheduled while `prev` still runs (before update(prev)), or
