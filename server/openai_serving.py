@@ -28,12 +28,22 @@ if TYPE_CHECKING:
 _DONE = "data: [DONE]\n\n"
 
 
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))  # one, not one a call (json.dumps)
+
+
 def _json(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return _ENCODER.encode(obj)
 
 
-def _sse(obj: Any) -> str:
-    return f"data: {_json(obj)}\n\n"
+class _Events:
+    """The SSE events of one streamed response: its envelope (id, object, created, model) is
+    serialized once; an event serializes only what it adds (choices, usage)."""
+
+    def __init__(self, **envelope: Any) -> None:
+        self._head = "data: " + _json(envelope)[:-1] + ","
+
+    def __call__(self, **fields: Any) -> str:
+        return self._head + _json(fields)[1:] + "\n\n"
 
 
 # --------------------------------------------------------------------------- per-choice state
@@ -304,12 +314,12 @@ class OpenAIServing:
         if req.max_tokens != 0 or (req.echo and req.logprobs is not None):
             first, rest = await self._first_output(self._merged(runs, params))
 
+        event = _Events(id=request_id, object="text_completion", created=created, model=model)
+
         async def events() -> AsyncIterator[str]:
             def chunk(choice: Choice, text: str, logprobs: dict | None) -> str:
-                return _sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
-                             "choices": [{"index": choice.index, "text": text, "logprobs": logprobs,
-                                          "finish_reason": choice.finish_reason,
-                                          "stop_reason": choice.stop_reason}]})
+                return event(choices=[{"index": choice.index, "text": text, "logprobs": logprobs,
+                                       "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}])
 
             echoed = set()
 
@@ -347,8 +357,7 @@ class OpenAIServing:
                         if prefix or text or ids or choice.finish_reason is not None:
                             yield chunk(choice, prefix + text, lp)
             if include_usage:
-                yield _sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
-                            "choices": [], "usage": _usage(runs)})
+                yield event(choices=[], usage=_usage(runs))
 
         return self._streaming(events)
 
@@ -451,12 +460,12 @@ class OpenAIServing:
         if max_tokens != 0:
             first, rest = await self._first_output(self._stream_prompt(run, params))
 
+        event = _Events(id=request_id, object="chat.completion.chunk", created=created, model=model)
+
         async def events() -> AsyncIterator[str]:
             def chunk(index: int, delta: dict, logprobs=None, finish_reason=None, stop_reason=None) -> str:
-                return _sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
-                             "model": model, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                                          "finish_reason": finish_reason,
-                                                          "stop_reason": stop_reason}]})
+                return event(choices=[{"index": index, "delta": delta, "logprobs": logprobs,
+                                       "finish_reason": finish_reason, "stop_reason": stop_reason}])
 
             for c in run.choices:
                 yield chunk(c.index, {"role": "assistant", "content": ""})
@@ -478,8 +487,7 @@ class OpenAIServing:
                                     chat_logprobs(lps) if req.logprobs else None,
                                     choice.finish_reason, choice.stop_reason)
             if include_usage:
-                yield _sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
-                            "model": model, "choices": [], "usage": _usage([run])})
+                yield event(choices=[], usage=_usage([run]))
 
         return self._streaming(events)
 
