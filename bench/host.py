@@ -140,7 +140,8 @@ def serve_child(args) -> None:
     from server.settings import ServeSettings
     engine, runner = build_engine(args)
     engine.start()
-    app = create_app(ServeSettings(model=args.model, port=args.port), engine=engine)
+    settings = ServeSettings(model=args.model, port=args.port)
+    app = create_app(settings, engine=engine)
     times = EngineTimes(engine)  # around the observer the app set
     mark: dict = {}
 
@@ -158,7 +159,8 @@ def serve_child(args) -> None:
         mark.clear()
 
     signal.signal(signal.SIGUSR1, on_signal)
-    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning",
+                timeout_keep_alive=settings.keep_alive_timeout)
 
 
 async def engine_run(args) -> dict:

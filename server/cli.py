@@ -64,6 +64,7 @@ def _serve(args: argparse.Namespace) -> int:
     app = create_app(settings, on_fatal=on_fatal)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             timeout_graceful_shutdown=int(settings.shutdown_timeout), access_log=False,
+                            timeout_keep_alive=settings.keep_alive_timeout,
                             loop=_loop_impl(), http=_http_impl())
     server = Server(config)
     server.run()

@@ -59,6 +59,9 @@ class ServeSettings:
     max_request_bytes: int = _s(8 << 20, "int", "largest request body accepted (413 beyond)")
     retry_after: int = _s(1, "int", "seconds a 503 (overloaded) asks clients to wait")
     shutdown_timeout: float = _s(30.0, "float", "seconds in-flight requests get to finish after SIGTERM")
+    keep_alive_timeout: int = _s(65, "int", "seconds an idle keep-alive connection stays open: longer than "
+                                 "clients keep idle connections (httpx 5, load balancers 60), so that a client "
+                                 "never sends a request on a connection the server is closing")
     log_level: str = _s("info", "str", "debug, info, warning or error", ("debug", "info", "warning", "error"))
     cache_dir: str | None = _s(None, "str", "downloads and compiled kernels (default: $CUSERVE_CACHE or "
                                "~/.cache/cuserve)")

@@ -76,6 +76,27 @@ def wait_idle(client: httpx.Client, headers=None, timeout: float = 30.0) -> None
 # ---------------------------------------------------------------- basic endpoints
 
 
+def test_idle_keep_alive_connection_outlives_the_client_pools(server):
+    """A connection idle for longer than httpx keeps one (5 s, uvicorn's default timeout
+    too) still takes the next request: with both at 5 s, a client could send on a connection
+    the server was closing, and get a ReadError (seen with 128 streams from one client)."""
+    import http.client
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+
+    def health() -> tuple:
+        conn.request("GET", "/health")
+        reply = conn.getresponse()
+        return reply.status, reply.read()
+    try:
+        assert health() == (200, b'{"status":"ok"}')
+        sock = conn.sock
+        time.sleep(6.0)
+        assert health() == (200, b'{"status":"ok"}')  # at 5 s: RemoteDisconnected
+        assert conn.sock is sock  # on the same connection
+    finally:
+        conn.close()
+
+
 def test_health_models_tokenize(client):
     assert client.get("/health").json() == {"status": "ok"}
     models = client.get("/v1/models").json()
