@@ -13,9 +13,10 @@ step (time the host kept it waiting), and for HTTP the server process's CPU per 
 
 The default cost model is the H200's for Llama-3-8B with fp8 weights and fp8 K/V (fitted
 from bench/serve.py --engine traces, docs/performance.md): 1.0 ms a step + 0.028 ms a decode
-row + 14.6 us a prompt token. With it, this reproduced the GPU's serving run within a few
-per cent on the H200 host (engine 10.5k tok/s, HTTP 10.0-10.2k). The numbers depend on the
-host's CPU: compare runs on one machine.
+row + 14.6 us a prompt token. With it, this came near the GPU's own serving runs on H200
+hosts (engine 10.2-10.6k tok/s against 9.4-10.0k, HTTP 9.8-10.3k against 8.3-9.6k). The
+numbers depend on the host's CPU: compare runs on one machine. --schedule-prompts-ahead
+sets the server's setting of that name in both runs.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ class SimRunner:
     """A runner whose steps 'run' for base + per_decode x decode rows + per_prompt x prompt
     tokens seconds, one after the other, like a GPU stream: submit returns at once and the
     step's finish function sleeps until its step would end (releasing the GIL, as waiting
-    for a CUDA event does). Samples a token per sampling row, never EOS-like on purpose:
-    the load runs with ignore_eos. Keeps the stand-in GPU's busy time, and its idle time
+    for a CUDA event does). Samples a token id in [1000, 6000) for each sampling row (the
+    load runs with ignore_eos). Keeps the stand-in GPU's busy time, and its idle time
     before each step by kind: 'ahead' (chained, launched before the previous step ended),
     'mixed' (with prompt tokens), 'decode'. A gap of over IDLE_MAX seconds is not counted:
     nothing was there to run (the load had not started)."""
