@@ -191,7 +191,7 @@ class Scheduler:
 
     def _prefill_target(self, seq: Sequence) -> int:
         """How far this sequence's chunks go: all its tokens, or the shared prefix."""
-        if seq.index == 0 and any(s.needs_fork for s in seq.request.seqs):
+        if seq.index == 0 and seq.request.params.n > 1 and any(s.needs_fork for s in seq.request.seqs):
             return max(seq.request.num_prompt_tokens - 1, 0)
         return seq.num_tokens
 
@@ -314,6 +314,8 @@ class Scheduler:
         """
         if self.preempted or not prev.seqs:
             return None
+        if not self.config.prompts_ahead and (self.waiting or any(len(r.token_ids) != 1 for r in prev.seqs)):
+            return None  # (checked again below, with the prompts part-way: this is the cheap part)
         in_prev = {row.seq_id for row in prev.seqs}
         if any(seq.seq_id not in in_prev for seq in self.running):
             return None
