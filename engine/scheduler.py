@@ -315,7 +315,7 @@ class Scheduler:
         if self.preempted or not prev.seqs:
             return None
         if not self.config.prompts_ahead and (self.waiting or any(len(r.token_ids) != 1 for r in prev.seqs)):
-            return None  # (checked again below, with the prompts part-way: this is the cheap part)
+            return None  # before building rows (a one-token prompt chunk part-way is caught below)
         in_prev = {row.seq_id for row in prev.seqs}
         if any(seq.seq_id not in in_prev for seq in self.running):
             return None
@@ -347,7 +347,7 @@ class Scheduler:
                 target = self._prefill_target(seq)
                 if row.kv_len < target:
                     chunks.append(row)  # placeholder: cut once the decodes have taken their share
-        if not self.config.prompts_ahead and (chunks or self.waiting or any(r.num_tokens != 1 for r in prev.seqs)):
+        if not self.config.prompts_ahead and chunks:
             return None
         if len(decodes) > max_rows or len(decodes) > budget:
             return None
