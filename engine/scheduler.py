@@ -321,7 +321,7 @@ class Scheduler:
             return None
         budget = self.config.max_num_batched_tokens
         decodes: list[ScheduledSeq] = []
-        chunks: list[ScheduledSeq] = []
+        chunks: list[tuple[ScheduledSeq, int]] = []  # prev's prompt rows part-way, and where they go to
         ending: list[int] = []  # sequences whose token from prev is their last
         for row in prev.seqs:
             seq = self._seqs.get(row.seq_id)
@@ -346,22 +346,21 @@ class Scheduler:
             else:
                 target = self._prefill_target(seq)
                 if row.kv_len < target:
-                    chunks.append(row)  # placeholder: cut once the decodes have taken their share
+                    chunks.append((row, target))  # cut once the decodes have taken their share
         if not self.config.prompts_ahead and chunks:
             return None
         if len(decodes) > max_rows or len(decodes) > budget:
             return None
         budget -= len(decodes)
-        prompt_tokens = sum(self._prefill_target(self._seqs[r.seq_id]) - r.kv_len for r in chunks)
+        prompt_tokens = sum(target - row.kv_len for row, target in chunks)
         if (chunks or self.waiting) and not self._prompts_fill(budget - prompt_tokens, len(ending)):
             return None  # a plain step, scheduled once prev is done, can take what arrives meanwhile
         rows = decodes
-        for row in chunks:
+        for row, target in chunks:
             if budget < 1:
                 break
-            seq = self._seqs[row.seq_id]
-            end = min(self._prefill_target(seq), row.kv_len + budget)
-            rows.append(self._row(seq, end, start=row.kv_len))
+            end = min(target, row.kv_len + budget)
+            rows.append(self._row(self._seqs[row.seq_id], end, start=row.kv_len))
             budget -= end - row.kv_len
         copies: list[KVCopy] = []
         # the ending sequences' places go to new ones already (their regions are freed by
