@@ -254,7 +254,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.url = f"http://127.0.0.1:{args.port}"
     args.api_key = None
     args.vocab = 30000
-    args.processes = args.processes or max(1, min(args.concurrency, (args.concurrency + 63) // 64))
+    args.processes = args.processes or serve.default_processes(args.concurrency)
     return args
 
 

@@ -262,6 +262,11 @@ def summarize(args, model: str, results: list[Result], duration: float) -> dict:
     return summary
 
 
+def default_processes(concurrency: int) -> int:
+    """HTTP client processes for a load: one per 64 streams."""
+    return max(1, min(concurrency, (concurrency + 63) // 64))
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="http://127.0.0.1:8000")
@@ -298,7 +303,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if len(args.budgets) > 1 and not args.engine:
         ap.error("several --max-num-batched-tokens need --engine (a server has its own)")
     if args.processes is None:
-        args.processes = max(1, min(args.concurrency, (args.concurrency + 63) // 64))
+        args.processes = default_processes(args.concurrency)
     return args
 
 
