@@ -538,20 +538,22 @@ def kv_cache_rows(kv8: bool, rows: int, region: int, kv_heads: int, head_dim: in
     (6, 128, 0, (8, 2), 1, 0), (2, 128, 0, (8, 2), 1, 0), (1, 256, 0, (8, 2), 1, 0), (3, 128, 300, (8, 2), 1, 0),
     (2, 128, 0, (16, 1), 1, 0), (1, 256, 0, (8, 2), 4, 0), (3, 128, 300, (8, 2), 4, 0), (6, 128, 0, (8, 2), 1, 256),
     (3, 128, 300, (8, 2), 1, 320)])
-def test_flash_decode(kv8, splits, chunk, window, heads, min_blocks, whole, monkeypatch):
+@pytest.mark.parametrize("D", [64, 128])
+def test_flash_decode(kv8, splits, chunk, window, heads, min_blocks, whole, D, monkeypatch):
     """Split-KV decode attention against softmax(q k^T * scale) v in float64: rows of various
     lengths (0: a padding row) in `splits` splits of `chunk` keys, or longer ones where those do
     not cover a row (2 splits for 1,000 keys: two of 512); `window`: sliding-window attention;
     16 query heads a KV head (all 16 rows of the tile live); min_blocks 4: the launch bounds of
     large fp8 grids, forced on this small one; `whole`: rows of at most that many keys (after
-    the window) take one split, which writes no partials."""
+    the window) take one split, which writes no partials. Head dims 64 (SmolLM2) and 128 (the
+    8B shapes)."""
     import kernels_cuda.flash_decode as fd
     from kernels_cuda.flash_decode import flash_decode
     if min_blocks != 1:
         if not kv8:
             pytest.skip("four blocks an SM are for fp8 K/V")
         monkeypatch.setattr(fd, "min_blocks", lambda *args: min_blocks)
-    (H, KVH), D, region = heads, 64, 1024
+    (H, KVH), region = heads, 1024
     lens = np.array([1, 70, 129, 0, 640, 1000], np.int32)
     B = len(lens)
     q = rng.standard_normal((B, H, D)).astype(np.float32)
