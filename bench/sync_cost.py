@@ -31,38 +31,29 @@ __device__ __forceinline__ unsigned ld_acquire(const unsigned *p) {
 __device__ __forceinline__ void red_release(unsigned *p, unsigned v) {
     asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
 }
-// one stage: each block reads its neighbour's value of the last stage, writes its own
-__device__ __forceinline__ void stage(const float *in, float *out, int b, int G) {
-    if (threadIdx.x == 0) out[b] = in[(b + 1) % G] + 1.0f;
+// one stage: stream n16 16-byte words of w (the weights of a small product; 0: none), then
+// each block reads its neighbour's value of the last stage and writes its own
+__device__ __forceinline__ void stage(const float *in, float *out, const uint4 *w, long long n16, float &acc) {
+    for (long long i = blockIdx.x * blockDim.x + threadIdx.x; i < n16; i += (long long)gridDim.x * blockDim.x) {
+        const uint4 v = w[i];
+        acc += __int_as_float(v.x ^ v.y ^ v.z ^ v.w);
+    }
+    if (threadIdx.x == 0) out[blockIdx.x] = in[(blockIdx.x + 1) % gridDim.x] + 1.0f;
 }
-extern "C" __global__ void chain_step(const float *in, float *out) {
+// a stage as a kernel of its own (launched with or without programmatic dependent launch)
+extern "C" __global__ void chain_step(const float *in, float *out, const uint4 *w, long long n16) {
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;");
-    stage(in, out, blockIdx.x, gridDim.x);
+    float acc = 0.0f;
+    stage(in, out, w, n16, acc);
+    if (acc == 12345.0f) out[0] = acc;  // keeps the loads
 }
-extern "C" __global__ void persistent(float *buf, unsigned *bar, int rounds) {
-    const int G = gridDim.x;
-    for (int r = 0; r < rounds; r++) {
-        stage(buf + (r & 1) * G, buf + ((r + 1) & 1) * G, blockIdx.x, G);
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            red_release(bar, 1);
-            const unsigned target = (unsigned)(r + 1) * G;
-            while (ld_acquire(bar) < target) {}
-        }
-        __syncthreads();
-    }
-}
-// a stage that also streams W (bytes per block per round) from HBM: the weight part of a GEMV
-extern "C" __global__ void persistent_stream(float *buf, unsigned *bar, int rounds, const uint4 *w, long long per_round_u4) {
+// `rounds` stages in one kernel, a grid barrier after each (all blocks resident)
+extern "C" __global__ void persistent(float *buf, unsigned *bar, int rounds, const uint4 *w, long long n16) {
     const int G = gridDim.x;
     float acc = 0.0f;
     for (int r = 0; r < rounds; r++) {
-        const uint4 *p = w + (long long)r * per_round_u4;
-        for (long long i = blockIdx.x * blockDim.x + threadIdx.x; i < per_round_u4; i += (long long)G * blockDim.x) {
-            uint4 v = p[i]; acc += __int_as_float(v.x ^ v.y ^ v.z ^ v.w);
-        }
-        stage(buf + (r & 1) * G, buf + ((r + 1) & 1) * G, blockIdx.x, G);
+        stage(buf + (r & 1) * G, buf + ((r + 1) & 1) * G, w + (long long)r * n16, n16, acc);
         __syncthreads();
         if (threadIdx.x == 0) {
             red_release(bar, 1);
@@ -72,16 +63,6 @@ extern "C" __global__ void persistent_stream(float *buf, unsigned *bar, int roun
         __syncthreads();
     }
     if (acc == 12345.0f) buf[0] = acc;
-}
-extern "C" __global__ void chain_stream(const float *in, float *out, const uint4 *w, long long per_round_u4) {
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;");
-    float acc = 0.0f;
-    for (long long i = blockIdx.x * blockDim.x + threadIdx.x; i < per_round_u4; i += (long long)gridDim.x * blockDim.x) {
-        uint4 v = w[i]; acc += __int_as_float(v.x ^ v.y ^ v.z ^ v.w);
-    }
-    stage(in, out, blockIdx.x, gridDim.x);
-    if (acc == 12345.0f) out[0] = acc;
 }
 """
 ROUNDS = 600
@@ -113,42 +94,29 @@ def main() -> None:
     mod = cp.RawModule(code=SRC, options=("-std=c++17",))
     stream = cp.cuda.Stream(non_blocking=True)
     sms = sm_count()
-    print(f"{cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}, {sms} SMs; us a stage")
-    for per_sm in (1, 2):
-        G = sms * per_sm
-        buf, bar = cp.zeros(2 * G, np.float32), cp.zeros(1, np.uint32)
-
-        def chain(pdl: bool):
-            k = mod.get_function("chain_step")
-            return lambda: [launch(k, (G,), (256,), (buf[(r & 1) * G:], buf[((r + 1) & 1) * G:]), pdl=pdl)
-                            for r in range(ROUNDS)]
-
-        def persistent():
-            bar.fill(0)
-            mod.get_function("persistent")((G,), (256,), (buf, bar, np.int32(ROUNDS)))
-
-        print(f"no work, {G} blocks: kernel boundary {per_stage_us(stream, chain(False)):.2f}, with PDL "
-              f"{per_stage_us(stream, chain(True)):.2f}; grid barrier {per_stage_us(stream, persistent):.2f}")
     weights = cp.random.randint(0, 1 << 30, size=(ROUNDS * (4 << 20) // 4,), dtype=np.int32).view(np.uint8)
-    for mb in (1, 4):
-        per = np.int64((mb << 20) // 16)
+    print(f"{cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}, {sms} SMs; us a stage")
+    for mb in (0, 1, 4):
+        n16 = np.int64((mb << 20) // 16)
         for per_sm in (1, 2):
             G = sms * per_sm
             buf, bar = cp.zeros(2 * G, np.float32), cp.zeros(1, np.uint32)
 
-            def chain_stream():
-                k = mod.get_function("chain_stream")
-                for r in range(ROUNDS):
-                    launch(k, (G,), (256,), (buf[(r & 1) * G:], buf[((r + 1) & 1) * G:], weights[r * (mb << 20):],
-                                             per), pdl=True)
+            def chain(pdl: bool):
+                k = mod.get_function("chain_step")
+                return lambda: [launch(k, (G,), (256,), (buf[(r & 1) * G:], buf[((r + 1) & 1) * G:],
+                                                         weights[r * (mb << 20):], n16), pdl=pdl)
+                                for r in range(ROUNDS)]
 
-            def persistent_stream():
+            def persistent():
                 bar.fill(0)
-                mod.get_function("persistent_stream")((G,), (256,), (buf, bar, np.int32(ROUNDS), weights, per))
+                mod.get_function("persistent")((G,), (256,), (buf, bar, np.int32(ROUNDS), weights, n16))
 
-            tc, tp = per_stage_us(stream, chain_stream), per_stage_us(stream, persistent_stream)
-            print(f"{mb} MB a stage, {G} blocks: kernels with PDL {tc:.2f} ({mb * 1.048576 / tc:.2f} TB/s), "
-                  f"grid barrier {tp:.2f} ({mb * 1.048576 / tp:.2f} TB/s)")
+            plain = f"kernels {per_stage_us(stream, chain(False)):.2f}, " if mb == 0 else ""
+            tc, tp = per_stage_us(stream, chain(True)), per_stage_us(stream, persistent)
+            rate = f" ({mb * 1.048576 / tc:.2f} / {mb * 1.048576 / tp:.2f} TB/s)" if mb else ""
+            print(f"{mb} MB streamed a stage, {G} blocks: {plain}kernels with PDL {tc:.2f}, "
+                  f"grid barrier {tp:.2f}{rate}")
 
 
 if __name__ == "__main__":
