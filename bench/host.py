@@ -9,7 +9,9 @@ It runs the load twice, on the engine alone (in this process) and over HTTP (the
 child process, the client in --processes processes), and prints for each: output tok/s, TTFT
 p50 seen by the client and by the engine (arrival to first token; the gap is the HTTP path),
 the engine's queue time, the stand-in GPU's busy time and its idle time before each kind of
-step (time the host kept it waiting), and for HTTP the server process's CPU per output token.
+step (time the host kept it waiting), and for HTTP the server process's CPU per output token
+(and the engine process's CPU). The HTTP run's engine runs in a process of its own, as the
+server's does by default; --no-engine-process puts it on a thread of the server's process.
 
 The default cost model is the H200's for Llama-3-8B with fp8 weights and fp8 K/V (fitted
 from bench/serve.py --engine traces, docs/performance.md): 1.0 ms a step + 0.028 ms a decode
@@ -103,12 +105,11 @@ class EngineTimes:
         observer = engine.observer
         first = observer.on_first_token
 
-        def on_first_token(request) -> None:
-            t = request.timings
+        def on_first_token(t) -> None:
             self.ttft.append(t.first_token - t.arrival)
             if t.first_scheduled is not None:
                 self.queue.append(t.first_scheduled - t.arrival)
-            first(request)
+            first(t)
         observer.on_first_token = on_first_token
 
     def report(self) -> dict:
@@ -118,54 +119,89 @@ class EngineTimes:
         self.ttft, self.queue = [], []
 
 
-def build_engine(args):
-    from engine import Engine, EngineConfig, SchedulerConfig
+def sim_config(args):
+    from engine import EngineConfig, SchedulerConfig
+    return EngineConfig(model=args.model, device="cpu", scheduler=SchedulerConfig(
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.input_len + args.output_len + 16, max_waiting=max(args.num_prompts, 1),
+        prompts_ahead=args.schedule_prompts_ahead))
+
+
+def build_engine(args, config=None):
+    """An engine on the stand-in runner (engine.runner); in an engine process, its `build`."""
+    from engine import Engine
     from engine.loader import load_model
     model = load_model(args.model, with_tokenizer=True)
     runner = SimRunner(args.sim_step_ms / 1e3, args.sim_decode_ms / 1e3, args.sim_prompt_us / 1e6,
                        chain_rows=args.max_num_seqs)
-    config = EngineConfig(model=args.model, device="cpu", scheduler=SchedulerConfig(
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.input_len + args.output_len + 16, max_waiting=max(args.num_prompts, 1),
-        prompts_ahead=args.schedule_prompts_ahead))
-    return Engine(config, model, runner=runner), runner
+    return Engine(config or sim_config(args), model, runner=runner)
+
+
+def _sim_start(engine) -> float:  # in the engine's process: the load starts
+    engine.runner.reset()
+    return time.process_time()
+
+
+def _sim_report(engine) -> tuple[dict, float]:  # in the engine's process: the load is over
+    return engine.runner.report(), time.process_time()
 
 
 def serve_child(args) -> None:
-    """The server side of the HTTP run: the real app over uvicorn on the stand-in runner.
-    SIGUSR1 marks the start of the load; the next one prints the server's share as one
-    JSON line (CPU seconds of this process, output tokens, the runner's and engine's times)."""
+    """The server side of the HTTP run: the real app over uvicorn on the stand-in runner,
+    its engine in a process of its own as the server's default (--no-engine-process: on a
+    thread). SIGUSR1 marks the start of the load; the next one prints the server's share as
+    one JSON line (CPU seconds of the server's process and of the engine's, output tokens,
+    the runner's and engine's times)."""
+    import functools
+    import threading
+
     import uvicorn
 
+    from engine.engine_process import EngineProcess
     from server.app import create_app
     from server.settings import ServeSettings
-    engine, runner = build_engine(args)
-    engine.start()
-    settings = ServeSettings(model=args.model, port=args.port)
+    if args.engine_process:
+        engine = EngineProcess(sim_config(args), build=functools.partial(build_engine, args))
+
+        def in_engine(fn):
+            return engine.call(fn)
+    else:
+        engine = build_engine(args)
+
+        def in_engine(fn):
+            return fn(engine)
+    settings = ServeSettings(model=args.model, port=args.port, engine_process=args.engine_process)
     app = create_app(settings, engine=engine)
+    engine.start()
     times = EngineTimes(engine)  # around the observer the app set
     mark: dict = {}
 
-    def on_signal(*_) -> None:
+    def on_mark() -> None:
         if not mark:
-            runner.reset()
+            engine_cpu = in_engine(_sim_start)
             times.reset()
-            mark.update(cpu=time.process_time(), tokens=engine.stats.generation_tokens)
+            mark.update(cpu=time.process_time(), engine_cpu=engine_cpu, tokens=engine.stats.generation_tokens)
             return
+        report, engine_cpu = in_engine(_sim_report)
         tokens = engine.stats.generation_tokens - mark["tokens"]
         cpu = time.process_time() - mark["cpu"]
         line = {"server_cpu_s": cpu, "tokens": tokens, "server_cpu_us_per_token": cpu / max(tokens, 1) * 1e6,
-                **runner.report(), **times.report()}
+                **report, **times.report()}
+        if args.engine_process:
+            line["engine_cpu_s"] = engine_cpu - mark["engine_cpu"]
         print("SIM " + json.dumps(line), flush=True)
         mark.clear()
 
-    signal.signal(signal.SIGUSR1, on_signal)
+    # the handler only starts a thread: it may run while this thread holds a lock that
+    # in_engine takes
+    signal.signal(signal.SIGUSR1, lambda *_: threading.Thread(target=on_mark).start())
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning",
-                timeout_keep_alive=settings.keep_alive_timeout)
+                timeout_keep_alive=settings.keep_alive_timeout)  # its lifespan shuts the engine down
 
 
 async def engine_run(args) -> dict:
-    engine, runner = build_engine(args)
+    engine = build_engine(args)
+    runner = engine.runner
     times = EngineTimes(engine)
     prompts = serve.make_prompts(args)
     engine.start()
@@ -218,8 +254,9 @@ def report(name: str, s: dict) -> None:
           f"{s['tpot_ms']['p50']:.2f} ms")
     print(f"  stand-in GPU busy {s['gpu_busy_s']:.2f}s; idle before {idle}")
     if "server_cpu_s" in s:
+        engine = f"; engine process CPU {s['engine_cpu_s']:.2f}s" if "engine_cpu_s" in s else ""
         print(f"  server process CPU {s['server_cpu_s']:.2f}s for {s['tokens']} tokens: "
-              f"{s['server_cpu_us_per_token']:.1f} us a token")
+              f"{s['server_cpu_us_per_token']:.1f} us a token{engine}")
     if s["errors"]:
         print("  errors:", s["errors"])
 
@@ -237,6 +274,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--schedule-prompts-ahead", action="store_true", help="as the server's setting")
+    ap.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                    help="as the server's setting: the HTTP run's engine in a process of its own (default)")
     ap.add_argument("--sim-step-ms", type=float, default=1.0, help="cost model: ms a step")
     ap.add_argument("--sim-decode-ms", type=float, default=0.028, help="cost model: ms a decode row")
     ap.add_argument("--sim-prompt-us", type=float, default=14.6, help="cost model: us a prompt token")

@@ -22,7 +22,7 @@ from pathlib import Path
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
-from .config import EngineConfig
+from .config import EngineConfig, ModelConfig
 from .detokenize import IncrementalDetokenizer
 from .kv_cache import KVCache
 from .loader import LoadedModel, load_model
@@ -35,7 +35,7 @@ log = logging.getLogger("cuserve.engine")
 
 _MASK64 = (1 << 64) - 1
 
-__all__ = ["CompletionOutput", "Engine", "EngineDeadError", "QueueFullError", "RequestOutput"]
+__all__ = ["CompletionOutput", "Engine", "EngineAPI", "EngineDeadError", "EngineGauges", "QueueFullError", "RequestOutput"]
 
 
 class EngineDeadError(RuntimeError):
@@ -106,20 +106,51 @@ class EngineStats:
     step_errors: int = 0
 
 
-class EngineObserver:
-    """Hooks for metrics, called on the engine thread (no-ops here)."""
+@dataclass
+class EngineGauges:
+    """The scheduler's state after a step (the server's /metrics reads them)."""
 
-    def on_first_token(self, request: Request) -> None:  # timings.first_token was just set
+    running: int = 0  # requests with sequences in the running batch
+    waiting: int = 0  # requests queued (not yet admitted) or preempted
+    kv_usage: float = 0.0  # fraction of the KV cache owned by sequences
+    preemptions: int = 0  # since start
+    roofline_fraction: float | None = None  # of the last decode step (CUDA runner), else None
+
+
+class EngineObserver:
+    """Hooks for metrics, called on the thread that delivers outputs (no-ops here)."""
+
+    def on_first_token(self, timings: RequestTimings) -> None:  # timings.first_token was just set
         pass
 
     def on_token_gap(self, seconds: float) -> None:  # time between two tokens of one sequence
         pass
 
-    def on_finished(self, request: Request) -> None:  # timings complete, finish reasons set
+    def on_finished(self, timings: RequestTimings) -> None:  # the request's timings, complete
         pass
 
 
-class LoopSink:
+class BatchSink:
+    """A consumer of outputs that takes them one by one (`__call__`) and hands them on once
+    per engine step (`flush`, which the engine calls after delivering a step's outputs)."""
+
+    def __init__(self) -> None:
+        self._pending: list[RequestOutput] = []
+
+    def __call__(self, out: RequestOutput) -> None:
+        self._pending.append(out)
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        batch, self._pending = self._pending, []
+        self._dispatch(batch)
+
+    def _dispatch(self, batch: list[RequestOutput]) -> None:
+        raise NotImplementedError
+
+
+class LoopSink(BatchSink):
     """Delivers outputs into asyncio queues of one event loop, one wake-up per engine step.
 
     The engine calls it (and `flush`) on its thread; `register` and the queues
@@ -127,9 +158,9 @@ class LoopSink:
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__()
         self.loop = loop
         self.queues: dict[str, asyncio.Queue[RequestOutput]] = {}
-        self._pending: list[RequestOutput] = []
 
     def register(self, request_id: str) -> asyncio.Queue[RequestOutput]:
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
@@ -139,56 +170,34 @@ class LoopSink:
     def unregister(self, request_id: str) -> None:
         self.queues.pop(request_id, None)
 
-    def __call__(self, out: RequestOutput) -> None:
-        self._pending.append(out)
-
-    def flush(self) -> None:
-        if not self._pending:
-            return
-        batch, self._pending = self._pending, []
-        if not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self._dispatch, batch)
-
     def _dispatch(self, batch: list[RequestOutput]) -> None:
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._put, batch)
+
+    def _put(self, batch: list[RequestOutput]) -> None:
         for out in batch:
             queue = self.queues.get(out.request_id)
             if queue is not None:
                 queue.put_nowait(out)
 
 
-class Engine:
-    def __init__(self, config: EngineConfig, model: LoadedModel | None = None, runner=None) -> None:
-        self.config = config
-        self.model = model if model is not None else load_model(config.model, Path(config.cache_dir))
-        if self.model.tokenizer is None:
-            raise ValueError("the engine needs the model's tokenizer")
-        self.tokenizer = self.model.tokenizer
-        self.model_config = self.model.config
-        self.runner = runner if runner is not None else make_runner(config, self.model)
-        kv = KVCache(self.runner.num_kv_slots, config.cache.block_size)
-        self.max_model_len = min(config.scheduler.model_len(self.model_config), kv.num_slots)
-        self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len,
-                                   config.cache.initial_decode_slots, self.tokenizer.eos_token_ids)
-        self.stats = EngineStats()
-        self._rng = random.Random(config.seed)
-        self._tracked: dict[str, _Tracked] = {}
-        self._inbox: deque[tuple[str, object]] = deque()
-        self._wake = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._stopping = False
-        self.dead: BaseException | None = None
-        # observer of each step: (engine, what was scheduled, seconds it took)
-        self.on_step: Callable[[Engine, SchedulerOutput, float], None] | None = None
-        self.observer = EngineObserver()
-        self._loop_sinks: dict[asyncio.AbstractEventLoop, LoopSink] = {}
-        self._flush: set[LoopSink] = set()
-        self._deferred: list[Sequence] = []  # sequences whose last step's outputs wait for the next step
-        # a step scheduled and launched while the one before it ran: (output, finish, launched at)
-        self._ahead: tuple[SchedulerOutput, Callable[[], RunnerOutput], float] | None = None
-        self._last_step_end = 0.0
-        self.schedule_ahead = True  # launch steady decode steps ahead of the previous update (_submit_ahead)
+class EngineAPI:
+    """What the server calls on an engine, whether its steps run on a thread of this process
+    (`Engine`) or in a process of their own (`engine_process.EngineProcess`): both give these
+    attributes (config, model_config, tokenizer, generation_defaults, max_model_len, device,
+    stats, observer, dead) and add_request / abort / gauges / start / shutdown."""
 
-    # ------------------------------------------------------------------ api
+    config: EngineConfig
+    model_config: ModelConfig
+    max_model_len: int
+    _loop_sinks: dict[asyncio.AbstractEventLoop, LoopSink]
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, sink: Sink,
+                    request_id: str | None = None, arrival: float | None = None) -> str:
+        raise NotImplementedError
+
+    def abort(self, request_id: str) -> None:
+        raise NotImplementedError
 
     @property
     def served_model_name(self) -> str:
@@ -213,29 +222,6 @@ class Engine:
                              f"{params.max_tokens} for the completion). Please reduce the prompt or max_tokens.")
         if params.n > self.config.scheduler.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs ({self.config.scheduler.max_num_seqs})")
-
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, sink: Sink,
-                    request_id: str | None = None, arrival: float | None = None) -> str:
-        """Queue a request (any thread). Raises ValueError or QueueFullError at once."""
-        if self.dead is not None:
-            raise EngineDeadError(f"the engine stopped: {self.dead!r}")
-        self.check_request(prompt_token_ids, params)
-        request_id = request_id or uuid.uuid4().hex
-        request = Request(request_id, prompt_token_ids, params, arrival=arrival)
-        with self._wake:
-            pending = sum(1 for kind, _ in self._inbox if kind == "add")
-            if self.scheduler.queue_full(pending):
-                raise QueueFullError(f"server overloaded: {self.config.scheduler.max_waiting} requests "
-                                     f"are already waiting")
-            self._inbox.append(("add", (request, sink)))
-            self._wake.notify()
-        return request_id
-
-    def abort(self, request_id: str) -> None:
-        """Stop a request in whatever state it is (any thread); its sink gets a final output."""
-        with self._wake:
-            self._inbox.append(("abort", request_id))
-            self._wake.notify()
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -268,6 +254,82 @@ class Engine:
             sink.unregister(request_id)
             if not finished:
                 self.abort(request_id)
+
+
+class Engine(EngineAPI):
+    def __init__(self, config: EngineConfig, model: LoadedModel | None = None, runner=None) -> None:
+        self.config = config
+        self.model = model if model is not None else load_model(config.model, Path(config.cache_dir))
+        if self.model.tokenizer is None:
+            raise ValueError("the engine needs the model's tokenizer")
+        self.tokenizer = self.model.tokenizer
+        self.model_config = self.model.config
+        self.runner = runner if runner is not None else make_runner(config, self.model)
+        kv = KVCache(self.runner.num_kv_slots, config.cache.block_size)
+        self.max_model_len = min(config.scheduler.model_len(self.model_config), kv.num_slots)
+        self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len,
+                                   config.cache.initial_decode_slots, self.tokenizer.eos_token_ids)
+        self.stats = EngineStats()
+        self._rng = random.Random(config.seed)
+        self._tracked: dict[str, _Tracked] = {}
+        self._inbox: deque[tuple[str, object]] = deque()
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.dead: BaseException | None = None
+        # observer of each step: (engine, what was scheduled, seconds it took)
+        self.on_step: Callable[[Engine, SchedulerOutput, float], None] | None = None
+        self.observer = EngineObserver()
+        self._loop_sinks: dict[asyncio.AbstractEventLoop, LoopSink] = {}
+        self._flush: set[BatchSink] = set()
+        self._deferred: list[Sequence] = []  # sequences whose last step's outputs wait for the next step
+        # a step scheduled and launched while the one before it ran: (output, finish, launched at)
+        self._ahead: tuple[SchedulerOutput, Callable[[], RunnerOutput], float] | None = None
+        self._last_step_end = 0.0
+        self.schedule_ahead = True  # launch steady decode steps ahead of the previous update (_submit_ahead)
+
+    # ------------------------------------------------------------------ api
+
+    @property
+    def generation_defaults(self):
+        """The model's sampling defaults (its generation_config), for requests that omit them."""
+        return self.model.generation_defaults
+
+    @property
+    def device(self) -> str:
+        return self.runner.device
+
+    def gauges(self) -> EngineGauges:
+        """The scheduler's state now (read from another thread, it may be a step old)."""
+        sched = self.scheduler
+        running = len({seq.request.request_id for seq in list(sched.running)})
+        waiting = sum(1 for kind, _ in list(self._inbox) if kind == "add") + len(sched.waiting) + len(
+            {seq.request.request_id for seq in list(sched.preempted)})
+        return EngineGauges(running, waiting, sched.kv.usage, sched.num_preemptions,
+                            getattr(self.runner, "last_roofline_fraction", None))
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, sink: Sink,
+                    request_id: str | None = None, arrival: float | None = None) -> str:
+        """Queue a request (any thread). Raises ValueError or QueueFullError at once."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine stopped: {self.dead!r}")
+        self.check_request(prompt_token_ids, params)
+        request_id = request_id or uuid.uuid4().hex
+        request = Request(request_id, prompt_token_ids, params, arrival=arrival)
+        with self._wake:
+            pending = sum(1 for kind, _ in self._inbox if kind == "add")
+            if self.scheduler.queue_full(pending):
+                raise QueueFullError(f"server overloaded: {self.config.scheduler.max_waiting} requests "
+                                     f"are already waiting")
+            self._inbox.append(("add", (request, sink)))
+            self._wake.notify()
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request in whatever state it is (any thread); its sink gets a final output."""
+        with self._wake:
+            self._inbox.append(("abort", request_id))
+            self._wake.notify()
 
     # ------------------------------------------------------------ the loop
 
@@ -517,7 +579,7 @@ class Engine:
                 if new:
                     if request.timings.first_token is None:
                         request.timings.first_token = now
-                        self.observer.on_first_token(request)
+                        self.observer.on_first_token(request.timings)
                     elif request.params.n == 1:
                         self.observer.on_token_gap(now - request.timings.last_token)
                     request.timings.last_token = now
@@ -536,7 +598,7 @@ class Engine:
                 for seq in request.seqs:
                     key = seq.finish_reason.value
                     self.stats.requests_finished[key] = self.stats.requests_finished.get(key, 0) + 1
-                self.observer.on_finished(request)
+                self.observer.on_finished(request.timings)
             self._deliver(tracked, out)
             outputs.append(out)
         return outputs
@@ -545,7 +607,7 @@ class Engine:
         """Hand an output to its consumer; a consumer that fails is dropped, never the engine."""
         try:
             tracked.sink(out)
-            if isinstance(tracked.sink, LoopSink):
+            if isinstance(tracked.sink, BatchSink):
                 self._flush.add(tracked.sink)
         except Exception:  # noqa: BLE001 - e.g. the client's event loop is gone
             log.warning("output consumer of request %s failed; aborting it", out.request_id, exc_info=True)

@@ -15,6 +15,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from engine import Engine
+from engine.engine import EngineAPI
+from engine.engine_process import EngineProcess
 
 from .errors import APIError, error_response, install_error_handlers
 from .metrics import Metrics
@@ -46,7 +48,7 @@ SSE_EVENT = {"type": "object", "required": ["data"],
 class ServerState:
     """What the routes share: settings, the engine once loaded, readiness and draining."""
 
-    def __init__(self, settings: ServeSettings, engine: Engine | None = None) -> None:
+    def __init__(self, settings: ServeSettings, engine: EngineAPI | None = None) -> None:
         self.settings = settings
         self.engine = engine
         self.metrics = Metrics()
@@ -63,26 +65,27 @@ class ServerState:
     def ready(self) -> bool:
         return self.engine is not None and not self.draining
 
-    def _attach(self, engine: Engine) -> None:
+    def _attach(self, engine: EngineAPI) -> None:
         engine.observer = self.metrics
         if self.settings.chat_template:
             engine.tokenizer.chat_template = Path(self.settings.chat_template).read_text(encoding="utf-8")
 
     def load(self) -> None:
         """Build and start the engine (on a thread, while /health answers 503)."""
-        engine = Engine(self.settings.engine_config())
+        config = self.settings.engine_config()
+        engine = EngineProcess(config) if self.settings.engine_process else Engine(config)
         self._attach(engine)
         engine.start()
         self.engine = engine
 
-    def require_engine(self) -> Engine:
+    def require_engine(self) -> EngineAPI:
         if self.engine is None:
             raise APIError(503, self.load_error or "the model is still loading",
                            code="loading", headers={"Retry-After": str(self.settings.retry_after)})
         if self.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down")
         if self.engine.dead is not None:
-            raise APIError(503, f"the engine stopped: {self.engine.dead!r}", code="engine_dead")
+            raise APIError(503, f"the engine stopped: {self.engine.dead}", code="engine_dead")
         return self.engine
 
 
@@ -189,7 +192,7 @@ class CountingMiddleware:
             state.metrics.count_http(path if path in state.known_paths else "other", status)
 
 
-def create_app(settings: ServeSettings, engine: Engine | None = None,
+def create_app(settings: ServeSettings, engine: EngineAPI | None = None,
                on_fatal: Callable[[str], None] | None = None) -> FastAPI:
     """The ASGI app. Without `engine`, the model loads on a thread at startup."""
     state = ServerState(settings, engine)
@@ -201,7 +204,7 @@ def create_app(settings: ServeSettings, engine: Engine | None = None,
             def load() -> None:
                 try:
                     state.load()
-                    log.info("model %s ready (%s)", settings.model_name, state.engine.runner.device)
+                    log.info("model %s ready (%s)", settings.model_name, state.engine.device)
                 except Exception as exc:  # noqa: BLE001 - reported on /health and to the CLI
                     log.exception("could not load the model")
                     state.load_error = f"the model failed to load: {exc}"
@@ -235,9 +238,11 @@ def create_app(settings: ServeSettings, engine: Engine | None = None,
     @app.get("/health", response_model=None, responses={200: {"model": HealthResponse},
                                                         503: {"model": HealthResponse}})
     async def health() -> Response:
-        if state.ready:
+        dead = state.engine.dead if state.engine is not None else None
+        if state.ready and dead is None:
             return JSONResponse({"status": "ok"})
-        status = "shutting down" if state.draining else (state.load_error or "loading")
+        status = "shutting down" if state.draining else (
+            f"the engine stopped: {dead}" if dead is not None else state.load_error or "loading")
         return JSONResponse({"status": status}, status_code=503,
                             headers={"Retry-After": str(settings.retry_after)})
 

@@ -1,7 +1,8 @@
 """/metrics in the Prometheus text format (0.0.4), without a client library.
 
-Gauges are read from the engine at scrape time; histograms are fed by the engine's
-observer hooks (on the engine thread) and by the HTTP layer, under one lock.
+Gauges and counters are read from the engine at scrape time (an engine process sends them
+with every step's outputs); histograms are fed by the engine's observer hooks and by the
+HTTP layer, under one lock.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from typing import TYPE_CHECKING
 from engine.engine import EngineObserver
 
 if TYPE_CHECKING:
-    from engine import Engine
-    from engine.request import Request
+    from engine.engine import EngineAPI
+    from engine.request import RequestTimings
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -60,9 +61,8 @@ class Metrics(EngineObserver):
         self.queue = Histogram("request_queue_time_seconds", "Time from arrival to the first scheduled step.")
         self.http: dict[tuple[str, int], int] = {}
 
-    # engine observer hooks (engine thread)
-    def on_first_token(self, request: Request) -> None:
-        t = request.timings
+    # engine observer hooks (the thread that delivers the engine's outputs)
+    def on_first_token(self, t: RequestTimings) -> None:
         with self._lock:
             self.ttft.observe(t.first_token - t.arrival)
             if t.first_scheduled is not None:
@@ -72,8 +72,7 @@ class Metrics(EngineObserver):
         with self._lock:
             self.itl.observe(seconds)
 
-    def on_finished(self, request: Request) -> None:
-        t = request.timings
+    def on_finished(self, t: RequestTimings) -> None:
         with self._lock:
             self.e2e.observe(t.finished - t.arrival)
 
@@ -82,19 +81,16 @@ class Metrics(EngineObserver):
         with self._lock:
             self.http[(path, status)] = self.http.get((path, status), 0) + 1
 
-    def render(self, engine: Engine | None) -> str:
+    def render(self, engine: EngineAPI | None) -> str:
         lines: list[str] = []
         if engine is not None:
-            sched = engine.scheduler
-            running = len({seq.request.request_id for seq in list(sched.running)})
-            waiting = len(engine._inbox) + len(sched.waiting) + len(
-                {seq.request.request_id for seq in list(sched.preempted)})
-            stats = engine.stats
+            gauges, stats = engine.gauges(), engine.stats
             lines += _metric("num_requests_running", "gauge", "Requests with sequences in the running batch.",
-                             [("", running)])
-            lines += _metric("num_requests_waiting", "gauge", "Requests queued or preempted.", [("", waiting)])
+                             [("", gauges.running)])
+            lines += _metric("num_requests_waiting", "gauge", "Requests queued or preempted.",
+                             [("", gauges.waiting)])
             lines += _metric("kv_cache_usage_perc", "gauge", "Fraction of the KV cache owned by sequences (0-1).",
-                             [("", sched.kv.usage)])
+                             [("", gauges.kv_usage)])
             lines += _metric("prompt_tokens_total", "counter", "Prompt tokens admitted.",
                              [("", stats.prompt_tokens)])
             lines += _metric("generation_tokens_total", "counter", "Tokens generated.",
@@ -103,14 +99,13 @@ class Metrics(EngineObserver):
                              [(f'{{finished_reason="{k}"}}', v) for k, v in sorted(stats.requests_finished.items())]
                              or [('{finished_reason="stop"}', 0)])
             lines += _metric("num_preemptions_total", "counter", "Sequences preempted to free KV memory.",
-                             [("", sched.num_preemptions)])
+                             [("", gauges.preemptions)])
             lines += _metric("engine_step_errors_total", "counter", "Engine steps the runner failed.",
                              [("", stats.step_errors)])
-            roofline = getattr(engine.runner, "last_roofline_fraction", None)
-            if roofline is not None:
+            if gauges.roofline_fraction is not None:
                 lines += _metric("decode_roofline_fraction", "gauge",
                                  "Last decode step's bytes read / (step time x measured bandwidth).",
-                                 [("", roofline)])
+                                 [("", gauges.roofline_fraction)])
         with self._lock:
             for hist in (self.ttft, self.itl, self.e2e, self.queue):
                 lines += hist.render()

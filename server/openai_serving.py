@@ -117,7 +117,7 @@ class OpenAIServing:
 
     def sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
-        defaults = self.engine.model.generation_defaults
+        defaults = self.engine.generation_defaults
 
         def pick(value, default, fallback):
             return value if value is not None else (default if default is not None else fallback)

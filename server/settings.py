@@ -54,6 +54,9 @@ class ServeSettings:
     cpu_weight_dtype: str = _s("auto", "str", "CPU weights: auto (16-bit with the C kernels), float32, float16, "
                                "bfloat16", ("auto", "float32", "float16", "bfloat16"))
     enforce_eager: bool = _s(False, "bool", "CUDA: run decode steps without CUDA graphs (debugging)")
+    engine_process: bool = _s(True, "bool", "run the engine (scheduling, steps, detokenizing) in a process of "
+                              "its own, so that it does not share a GIL with the HTTP work (throughput under many "
+                              "streams); --no-engine-process: on a thread of the server's process")
     seed: int | None = _s(None, "int", "seed for requests that give none (reproducible runs)")
     chat_template: str | None = _s(None, "str", "a Jinja file to use instead of the model's chat template")
     max_request_bytes: int = _s(8 << 20, "int", "largest request body accepted (413 beyond)")

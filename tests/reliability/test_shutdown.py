@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
@@ -66,3 +67,45 @@ def test_sigterm_drains_in_flight_streams(smollm2_path, tmp_path_factory):
         # each stream either finished whole or ended with an error event, never silently cut
         assert out["tokens"] == 60 or out["error"], (i, out)
     assert sum(out["tokens"] == 60 for out in results.values()) == 6
+
+
+def _engine_process(pid: int) -> int:
+    """The server's engine process (multiprocessing's spawned child, not its resource tracker)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        children = [int(p) for p in f.read().split()]
+    spawned = []
+    for child in children:
+        with open(f"/proc/{child}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                spawned.append(child)
+    (engine,) = spawned
+    return engine
+
+
+def test_a_dead_engine_process_gets_503s_not_a_dead_server(smollm2_path, tmp_path_factory):
+    """The engine runs in a child process (the default): killing it fails the stream in flight
+    with an error event, then /health and new requests answer 503; the server stays up and
+    exits 0 on SIGTERM."""
+    proc = start(smollm2_path, tmp_path_factory, "engine-dies", "--max-model-len", "512")
+    try:
+        child = _engine_process(proc.proc.pid)
+        events = []
+        with httpx.stream("POST", proc.url + "/v1/completions", timeout=60,
+                          json={"prompt": "Count to a thousand:", "max_tokens": 400, "ignore_eos": True,
+                                "stream": True}) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 2:
+                        os.kill(child, signal.SIGKILL)
+        assert events[-1] == "[DONE]"
+        errors = [json.loads(e)["error"] for e in events[:-1] if '"error"' in e]
+        assert len(errors) == 1 and "exited" in errors[0]["message"], events[-3:]
+        health = httpx.get(proc.url + "/health", timeout=10)
+        assert health.status_code == 503 and "engine stopped" in health.json()["status"]
+        r = httpx.post(proc.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        assert proc.proc.poll() is None
+    finally:
+        assert proc.stop() == 0

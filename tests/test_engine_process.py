@@ -1,0 +1,178 @@
+"""The engine in a process of its own (engine.engine_process): the same outputs as the
+engine on a thread, errors, aborts, and what happens when the process dies."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from engine import Engine, EngineConfig, SamplingParams, SchedulerConfig
+from engine.engine import EngineDeadError, EngineObserver
+from engine.engine_process import EngineProcess
+
+PROMPTS = ["The capital of France is", "def quicksort(arr):", "Once upon a time,"]
+
+
+def config(path: str, **scheduler) -> EngineConfig:
+    return EngineConfig(model=path, device="cpu", scheduler=SchedulerConfig(max_model_len=512, **scheduler))
+
+
+class Recorder(EngineObserver):
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, object]] = []
+
+    def on_first_token(self, timings) -> None:
+        self.calls.append(("first", timings))
+
+    def on_token_gap(self, seconds: float) -> None:
+        self.calls.append(("gap", seconds))
+
+    def on_finished(self, timings) -> None:
+        self.calls.append(("finished", timings))
+
+
+@pytest.fixture(scope="module")
+def proc(smollm2_path):
+    engine = EngineProcess(config(smollm2_path))
+    engine.start()
+    yield engine
+    engine.shutdown()
+
+
+async def run(engine, prompt_ids: list[int], params: SamplingParams) -> list:
+    return [out async for out in engine.generate(prompt_ids, params)]
+
+
+def _pid_and_device(engine) -> tuple[int, str]:  # run in the engine's process (EngineProcess.call)
+    return os.getpid(), engine.runner.device
+
+
+def _fail(engine) -> None:
+    raise KeyError("no such thing")
+
+
+def test_same_tokens_and_text_as_the_engine_on_a_thread(proc, smollm2, smollm2_path):
+    local = Engine(config(smollm2_path), model=smollm2)
+    local.start()
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    try:
+        for prompt in PROMPTS:
+            ids = proc.tokenizer.encode(prompt)
+            here, there = asyncio.run(run(local, ids, params)), asyncio.run(run(proc, ids, params))
+            joined = [out.outputs[0] for out in there]
+            assert [t for c in joined for t in c.token_ids] == [t for out in here for t in out.outputs[0].token_ids]
+            assert "".join(c.text for c in joined) == "".join(out.outputs[0].text for out in here)
+            assert [lp.token_id for c in joined for lp in c.logprobs] == [t for c in joined for t in c.token_ids]
+            last = there[-1]
+            assert last.finished and last.outputs[0].finish_reason == "length"
+            assert last.prompt_token_ids == ids and last.num_generated_tokens == 12
+            assert last.timings.arrival <= last.timings.first_token <= last.timings.finished
+    finally:
+        local.shutdown()
+    assert proc.device == "cpu" and proc.max_model_len == 512
+    assert proc.stats.generation_tokens >= 12 * len(PROMPTS)
+    assert proc.stats.requests_finished["length"] >= len(PROMPTS)
+    assert proc.gauges().running == 0 and proc.gauges().kv_usage == 0.0
+
+
+def test_observer_calls_come_back(proc):
+    recorder = Recorder()
+    proc.observer = recorder
+    try:
+        asyncio.run(run(proc, proc.tokenizer.encode(PROMPTS[0]), SamplingParams(max_tokens=5, temperature=0,
+                                                                                 ignore_eos=True)))
+    finally:
+        proc.observer = EngineObserver()
+    kinds = [kind for kind, _ in recorder.calls]
+    assert kinds == ["first", "gap", "gap", "gap", "gap", "finished"]
+    first, finished = recorder.calls[0][1], recorder.calls[-1][1]
+    assert first.arrival <= first.first_token and finished.finished >= finished.first_token
+    assert all(0 <= value < 60 for kind, value in recorder.calls if kind == "gap")
+
+
+def test_bad_requests_raise_here_and_the_engine_goes_on(proc):
+    ids = proc.tokenizer.encode(PROMPTS[1])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        asyncio.run(run(proc, [proc.model_config.vocab_size], SamplingParams(max_tokens=2)))
+    with pytest.raises(ValueError, match="maximum context length"):
+        asyncio.run(run(proc, ids, SamplingParams(max_tokens=600)))
+    outs = asyncio.run(run(proc, ids, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)))
+    assert outs[-1].finished and outs[-1].num_generated_tokens == 3
+
+
+def test_closing_a_stream_aborts_its_request(proc):
+    ids = proc.tokenizer.encode(PROMPTS[2])
+
+    async def main():
+        stream = proc.generate(ids, SamplingParams(max_tokens=400, ignore_eos=True))
+        first = await stream.__anext__()
+        await stream.aclose()
+        done = await run(proc, ids, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        return first, done
+
+    first, done = asyncio.run(main())
+    assert not first.finished
+    assert done[-1].finished and done[-1].num_generated_tokens == 4
+    deadline = time.monotonic() + 10
+    while proc.stats.requests_finished.get("abort", 0) < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)  # the abort's output is sent with a later step
+    assert proc.stats.requests_finished.get("abort", 0) >= 1
+
+
+def test_call_runs_in_the_engine_process(proc):
+    assert proc.call(_pid_and_device) == (proc.pid, "cpu") and proc.pid != os.getpid()
+    with pytest.raises(RuntimeError, match="KeyError"):
+        proc.call(_fail)
+
+
+def test_a_full_queue_answers_overloaded(smollm2_path):
+    engine = EngineProcess(config(smollm2_path, max_num_seqs=1, max_waiting=1))
+    engine.start()
+    ids = engine.tokenizer.encode(PROMPTS[0])
+
+    async def main():
+        long = SamplingParams(max_tokens=200, ignore_eos=True)
+        return await asyncio.gather(*(run(engine, ids, long) for _ in range(5)))
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    kinds = [outs[-1].error_kind for outs in results]
+    assert kinds.count("overloaded") >= 1, kinds
+    served = [outs for outs in results if outs[-1].error is None]
+    assert served and all(outs[-1].num_generated_tokens == 200 for outs in served)
+    assert all(len(outs) == 1 and outs[0].finished for outs in results if outs[-1].error_kind == "overloaded")
+
+
+def test_a_killed_engine_process_fails_its_requests_not_this_process(smollm2_path):
+    engine = EngineProcess(config(smollm2_path))
+    engine.start()
+    ids = engine.tokenizer.encode(PROMPTS[0])
+
+    async def main():
+        outs = []
+        async for out in engine.generate(ids, SamplingParams(max_tokens=400, ignore_eos=True)):
+            outs.append(out)
+            if len(outs) == 2:
+                os.kill(engine.pid, signal.SIGKILL)
+        return outs
+
+    try:
+        outs = asyncio.run(main())
+        assert outs[-1].finished and outs[-1].error_kind == "internal"
+        assert "exited" in outs[-1].error and str(-signal.SIGKILL) in outs[-1].error
+        assert isinstance(engine.dead, EngineDeadError)
+        with pytest.raises(EngineDeadError):
+            asyncio.run(run(engine, ids, SamplingParams(max_tokens=2)))
+    finally:
+        engine.shutdown()
+
+
+def test_a_model_that_does_not_load_raises_in_the_constructor(tmp_path):
+    with pytest.raises(RuntimeError, match="FileNotFoundError"):
+        EngineProcess(config(str(tmp_path / "missing.gguf")))
