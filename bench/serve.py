@@ -22,7 +22,10 @@ and every engine step is traced: how many decode rows and prompt tokens it ran a
 long it took. The summary splits the run's time into decode-only, mixed and prefill-only
 steps, which shows where a serving run loses to the engine's own rates. A list of
 --max-num-batched-tokens (e.g. 8192,2048,1024) runs the load once per token budget on the
-one engine, so the budgets are compared on the same weights in the same process.
+one engine, so the budgets are compared on the same weights in the same process. The
+engine runs on a thread of this process, so the load's own asyncio work shares its GIL;
+--engine-process runs it in a process of its own, as `cuserve serve` does, which makes
+the run what HTTP is compared against.
 """
 
 from __future__ import annotations
@@ -200,22 +203,49 @@ def step_summary(trace: list[tuple[int, int, float]]) -> dict:
     return out
 
 
-async def run_engine(args) -> list[dict]:
-    """The load on the engine in this process, once per token budget of
-    --max-num-batched-tokens (the engine is built for the largest); a summary each."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+def _trace_steps(engine, budget: int) -> None:
+    """From now on, run steps within `budget` tokens and trace each: (decode rows, prompt
+    tokens, seconds). In the engine's process (EngineProcess.call) or this one."""
     from dataclasses import replace
+    engine.scheduler.config = replace(engine.scheduler.config, max_num_batched_tokens=budget)
+    trace: list[tuple[int, int, float]] = []
 
+    def on_step(_engine, out, seconds):  # a decode row: one token past the prompt
+        decodes = sum(1 for s in out.seqs if s.num_tokens == 1 and s.start_pos >= len(s.prompt_token_ids))
+        trace.append((decodes, out.num_tokens - decodes, seconds))
+    on_step.trace = trace
+    engine.on_step = on_step
+
+
+def _take_trace(engine) -> list[tuple[int, int, float]]:
+    trace, engine.on_step = engine.on_step.trace, None
+    return trace
+
+
+async def run_engine(args) -> list[dict]:
+    """The load on the engine without HTTP, in this process or (--engine-process) in one of
+    its own as the server runs it, once per token budget of --max-num-batched-tokens (the
+    engine is built for the largest); a summary each."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from engine import Engine, EngineConfig, SchedulerConfig
     from engine.config import CacheConfig
+    from engine.engine_process import EngineProcess
     gib = int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None
-    engine = Engine(EngineConfig(
+    config = EngineConfig(
         model=args.engine, device=args.device, quantization=args.quantization,
         cache=CacheConfig(kv_cache_bytes=gib, kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_waiting=max(args.num_prompts, 1),
                                   max_num_batched_tokens=max(args.budgets),
                                   max_model_len=args.input_len + args.output_len + 16,
-                                  prompts_ahead=args.schedule_prompts_ahead)))
+                                  prompts_ahead=args.schedule_prompts_ahead))
+    if args.engine_process:
+        engine = EngineProcess(config)
+        in_engine = engine.call
+    else:
+        engine = Engine(config)
+
+        def in_engine(fn, *fn_args):
+            return fn(engine, *fn_args)
     args.vocab = min(args.vocab, engine.model_config.vocab_size)
     prompts = make_prompts(args)
     summaries, traces = [], []
@@ -223,17 +253,11 @@ async def run_engine(args) -> list[dict]:
     try:
         await engine_request(engine, prompts[0][:16], 4)  # warm-up
         for budget in args.budgets:
-            engine.scheduler.config = replace(engine.scheduler.config, max_num_batched_tokens=budget)
-            trace: list[tuple[int, int, float]] = []
-
-            def on_step(_engine, out, seconds, trace=trace):  # a decode row: one token past the prompt
-                decodes = sum(1 for s in out.seqs if s.num_tokens == 1 and s.start_pos >= len(s.prompt_token_ids))
-                trace.append((decodes, out.num_tokens - decodes, seconds))
-            engine.on_step = on_step
+            in_engine(_trace_steps, budget)
             results, start, end = await closed_loop(prompts, args.concurrency, args.request_rate, args.seed + 1,
                                                     args.output_len,
                                                     lambda prompt, n: engine_request(engine, prompt, n))
-            engine.on_step = None
+            trace = in_engine(_take_trace)
             summary = summarize(args, args.engine, results, end - start)
             summary.update(max_num_batched_tokens=budget, steps=step_summary(trace),
                            step_seconds=sum(t[2] for t in trace))
@@ -284,7 +308,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "client falls behind a server that sends ~20k events/s, and then measures itself")
     ap.add_argument("--json")
     engine = ap.add_argument_group("engine mode (no HTTP)")
-    engine.add_argument("--engine", metavar="MODEL", help="drive this model's engine in-process instead of --url")
+    engine.add_argument("--engine", metavar="MODEL", help="drive this model's engine (no HTTP) instead of --url")
     engine.add_argument("--device", default="auto")
     engine.add_argument("--quantization", default=None)
     engine.add_argument("--kv-cache-dtype", default="auto")
@@ -293,6 +317,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     engine.add_argument("--max-num-batched-tokens", default="8192",
                         help="token budget per step; a comma-separated list runs the load once per budget")
     engine.add_argument("--schedule-prompts-ahead", action="store_true", help="as the server's setting")
+    engine.add_argument("--engine-process", action="store_true",
+                        help="the engine in a process of its own, as the server runs it (this process then "
+                             "only sends the requests and reads the outputs, as an HTTP client would); default: "
+                             "on a thread of this process, sharing its GIL with the load's asyncio work")
     engine.add_argument("--trace", help="write every step's (decode rows, prompt tokens, seconds) here "
                                         "(a list of such traces with several budgets)")
     args = ap.parse_args(argv)

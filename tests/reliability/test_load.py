@@ -30,7 +30,8 @@ def test_serve_bench_from_two_client_processes(busy_server):
     assert 0 < summary["ttft_ms"]["p50"] <= summary["e2e_ms"]["p50"]
 
 
-def test_serve_bench_engine_mode_traces_every_step(smollm2_path, tmp_path):
+@pytest.mark.parametrize("where", ["thread", "process"])
+def test_serve_bench_engine_mode_traces_every_step(smollm2_path, tmp_path, where):
     import asyncio as aio
     import json
 
@@ -39,7 +40,8 @@ def test_serve_bench_engine_mode_traces_every_step(smollm2_path, tmp_path):
     # two token budgets: the load runs once per budget on one engine, a summary and a trace each
     args = serve.parse_args(["--engine", smollm2_path, "--device", "cpu", "--num-prompts", "6", "--input-len", "40",
                              "--output-len", "4", "--concurrency", "3", "--max-num-batched-tokens", "64,24",
-                             "--max-num-seqs", "3", "--vocab", "40000", "--trace", str(trace)])
+                             "--max-num-seqs", "3", "--vocab", "40000", "--trace", str(trace)]
+                            + (["--engine-process"] if where == "process" else []))
     summaries = aio.run(serve.run_engine(args))
     traces = json.loads(trace.read_text())
     assert [s["max_num_batched_tokens"] for s in summaries] == [64, 24] and len(traces) == 2
