@@ -150,6 +150,19 @@ class BatchSink:
         raise NotImplementedError
 
 
+def deliver(sink: Sink, out: RequestOutput, flush: set[BatchSink]) -> bool:
+    """Hand `out` to `sink` (a BatchSink joins `flush`, to be flushed once the step's outputs
+    are all handed over); False, logged, if the consumer failed (e.g. its event loop is gone)."""
+    try:
+        sink(out)
+        if isinstance(sink, BatchSink):
+            flush.add(sink)
+        return True
+    except Exception:  # noqa: BLE001 - a consumer's fault is its own
+        log.warning("output consumer of request %s failed", out.request_id, exc_info=True)
+        return False
+
+
 class LoopSink(BatchSink):
     """Delivers outputs into asyncio queues of one event loop, one wake-up per engine step.
 
@@ -605,14 +618,8 @@ class Engine(EngineAPI):
 
     def _deliver(self, tracked: _Tracked, out: RequestOutput) -> None:
         """Hand an output to its consumer; a consumer that fails is dropped, never the engine."""
-        try:
-            tracked.sink(out)
-            if isinstance(tracked.sink, BatchSink):
-                self._flush.add(tracked.sink)
-        except Exception:  # noqa: BLE001 - e.g. the client's event loop is gone
-            log.warning("output consumer of request %s failed; aborting it", out.request_id, exc_info=True)
-            if not out.finished:
-                self.abort(out.request_id)
+        if not deliver(tracked.sink, out, self._flush) and not out.finished:
+            self.abort(out.request_id)
 
     def _fail(self, request_id: str, message: str) -> RequestOutput:
         request = self.scheduler.abort(request_id)

@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from .config import EngineConfig
 from .engine import (BatchSink, CompletionOutput, Engine, EngineAPI, EngineDeadError, EngineGauges, EngineObserver,
-                     EngineStats, LoopSink, RequestOutput, Sink)
+                     EngineStats, LoopSink, RequestOutput, Sink, deliver)
 from .request import RequestTimings, SamplingParams
 from .scheduler import QueueFullError
 
@@ -205,20 +205,11 @@ class EngineProcess(EngineAPI):
             request_id, finished = packed[0], packed[2]
             entry = self._requests.pop(request_id, None) if finished else self._requests.get(request_id)
             if entry is not None:
-                self._deliver(entry[0], _unpack(packed, entry[1]), flush)
+                deliver(entry[0], _unpack(packed, entry[1]), flush)
         for sink in flush:
             sink.flush()
         if dead is not None:
             self._die(dead)
-
-    @staticmethod
-    def _deliver(sink: Sink, out: RequestOutput, flush: set[BatchSink]) -> None:
-        try:
-            sink(out)
-            if isinstance(sink, BatchSink):
-                flush.add(sink)
-        except Exception:  # noqa: BLE001 - e.g. the client's event loop is gone
-            log.warning("output consumer of request %s failed", out.request_id, exc_info=True)
 
     def _die(self, message: str) -> None:
         """The child's engine is gone: every request still waiting gets an error output."""
@@ -233,7 +224,7 @@ class EngineProcess(EngineAPI):
         for request_id in list(self._requests):
             entry = self._requests.pop(request_id, None)
             if entry is not None:
-                self._deliver(entry[0], RequestOutput(request_id, entry[1], [], finished=True, error=message,
+                deliver(entry[0], RequestOutput(request_id, entry[1], [], finished=True, error=message,
                                                       error_kind="internal"), flush)
         for sink in flush:
             sink.flush()
