@@ -432,17 +432,19 @@ __device__ __forceinline__ void load_kv_tile(kv_t *dk, kv_t *dv, int stride, con
 
 #if KV_FP8
 // rows x dim e4m3 bytes (16-byte aligned rows, in shared memory) -> 16-bit rows of stride
-// lds elements; every thread of the block takes 16 bytes at a time.
+// lds elements.
 __device__ __forceinline__ void kv_tile_to_scalar(const unsigned char *src, scalar_t *dst, int rows, int dim,
                                                   int lds) {
-    const int per_row = dim / 16;
+    // 8 bytes a thread, so that 8 neighbouring threads write 128 contiguous bytes of a row
+    // (16 bytes a thread from 16 bytes read took each row's stores in two passes)
+    const int per_row = dim / 8;
     for (int i = threadIdx.x; i < rows * per_row; i += blockDim.x) {
-        const int r = i / per_row, c = (i % per_row) * 16;
-        unsigned out[8];
-        fp8x16_to_scalar2x8(*reinterpret_cast<const uint4 *>(src + r * dim + c), out);
-        uint4 *d = reinterpret_cast<uint4 *>(dst + r * lds + c);
-        d[0] = make_uint4(out[0], out[1], out[2], out[3]);
-        d[1] = make_uint4(out[4], out[5], out[6], out[7]);
+        const int r = i / per_row, c = (i % per_row) * 8;
+        const uint2 v = *reinterpret_cast<const uint2 *>(src + r * dim + c);
+        uint4 out;
+        fp8x4_to_scalar2x2(v.x, out.x, out.y);
+        fp8x4_to_scalar2x2(v.y, out.z, out.w);
+        *reinterpret_cast<uint4 *>(dst + r * lds + c) = out;
     }
 }
 #endif

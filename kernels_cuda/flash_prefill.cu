@@ -11,9 +11,10 @@
 // the score accumulators of two 8-key tiles are exactly the A fragment of P for the P V
 // product. Tiles fully visible to a warp skip the mask; tiles it cannot see are skipped.
 //
-// grid (num_tiles, num_heads / HEADS), block 128 * HEADS. A tile is 64 queries of one sequence:
-// tile_seq / tile_q0 map tiles to (sequence, first query); the grid runs them last first,
-// so the longest (latest) tiles of a sequence start early.
+// grid (num_heads / HEADS, num_tiles), block 128 * HEADS. A tile is 64 queries of one
+// sequence: tile_seq / tile_q0 map tiles to (sequence, first query), in the order the host
+// gives them (flash_prefill.tiles: the most keys first), and the heads of a tile run next to
+// each other, so the longest blocks of the whole launch start first and share K/V in L2.
 // -DHEAD_DIM (multiple of 16), -DHEADS (query heads a block: a divisor of the heads per KV
 // head), -DKV_FP8 (e4m3 cache: tiles are widened to 16 bits in shared memory before the
 // MMAs); dynamic shared memory: flash_prefill.smem_bytes().
@@ -58,7 +59,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_prefill(
     scalar_t *sV = sK + 2 * BLOCK_N * LDS;  // 2 x BLOCK_N x LDS
 #endif
 
-    const int tile = gridDim.x - 1 - blockIdx.x, h0 = blockIdx.y * HEADS;
+    const int tile = blockIdx.y, h0 = blockIdx.x * HEADS;
     const int kvh = h0 / (num_heads / num_kv_heads);
     const int s = tile_seq[tile], q0 = tile_q0[tile];
     const int q_len = seq_q_len[s], kv_len = seq_kv_len[s];

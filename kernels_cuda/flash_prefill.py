@@ -36,13 +36,19 @@ def smem_bytes(head_dim: int, kv_fp8: bool = False, heads: int = 1) -> int:
     return 2 * (heads * BLOCK_M + 4 * BLOCK_N) * (head_dim + 8)
 
 
-def tiles(q_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(tile_seq, tile_q0): one tile per 64 queries of each sequence (host side)."""
+def tiles(q_lens: np.ndarray, kv_lens: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(tile_seq, tile_q0): one tile per 64 queries of each sequence (host side), the tiles
+    with the most keys first (kv_lens: each sequence's keys with its chunk, q_lens where
+    omitted), so that a launch's longest blocks do not start last."""
+    q_lens = np.asarray(q_lens, np.int64)
+    kv = q_lens if kv_lens is None else np.asarray(kv_lens, np.int64)
     counts = -(-q_lens // BLOCK_M)
     tile_seq = np.repeat(np.arange(len(q_lens), dtype=np.int32), counts)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
     tile_q0 = ((np.arange(tile_seq.size) - np.repeat(starts, counts)) * BLOCK_M).astype(np.int32)
-    return tile_seq, tile_q0
+    keys = (kv - q_lens)[tile_seq] + np.minimum(tile_q0 + BLOCK_M, q_lens[tile_seq])
+    order = np.argsort(-keys, kind="stable")
+    return tile_seq[order], tile_q0[order]
 
 
 def flash_prefill(q: cp.ndarray, tile_seq: cp.ndarray, tile_q0: cp.ndarray, seq_q_start: cp.ndarray,
@@ -71,12 +77,14 @@ def flash_prefill(q: cp.ndarray, tile_seq: cp.ndarray, tile_q0: cp.ndarray, seq_
                           ("v_ptrs", v_ptrs, np.int64)):
         check(arr, name, dt, (n_seqs,))
     check(out, "out", q.dtype, (T, H, D))
+    if n_tiles > 65535:
+        raise ValueError(f"{n_tiles} query tiles: at most 65535 in a launch")
     if n_tiles:
         heads = heads_per_block(H, num_kv_heads, max_keys)
         smem = smem_bytes(D, kv_fp8, heads)
         kernel = function(module("flash_prefill", USE_BF16=use_bf16(q), HEAD_DIM=D, KV_FP8=int(kv_fp8), HEADS=heads),
                           "flash_prefill", smem)
-        kernel((n_tiles, H // heads), (128 * heads,),
+        kernel((H // heads, n_tiles), (128 * heads,),
                (q, out, tile_seq, tile_q0, seq_q_start, seq_q_len, seq_kv_len, k_ptrs, v_ptrs, i64(layer_offset),
                 i32(H), i32(num_kv_heads), i32(window), f32(scale)), shared_mem=smem)
     return out

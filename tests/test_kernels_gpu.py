@@ -596,8 +596,9 @@ def test_flash_decode(kv8, splits, chunk, window, heads, min_blocks, whole, D, m
 def test_flash_prefill(kv8, heads, window):
     """Ragged causal prefill attention against softmax(q k^T * scale) v in float64: chunks
     after a cached prefix (start > 0), one of a single query, one over three 64-query
-    tiles; `window`: sliding-window attention; 4 and 3 query heads a KV head, and one. Blocks
-    that take two query heads of a KV head (what a launch with a long sequence gets,
+    tiles, launched the tiles with the most keys first (flash_prefill.tiles); `window`:
+    sliding-window attention; 4 and 3 query heads a KV head, and one. Blocks that take two
+    query heads of a KV head (what a launch with a long sequence gets,
     flash_prefill.heads_per_block) give the bits of blocks that take one."""
     import kernels_cuda.flash_prefill as fp
     (H, KVH), D, region = heads, 64, 512
@@ -606,7 +607,12 @@ def test_flash_prefill(kv8, heads, window):
     q_start = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int32)
     q = rng.standard_normal((T, H, D)).astype(np.float32)
     kv, kp, vp, _pool = kv_cache_rows(kv8, S, region, KVH, D)
-    tile_seq, tile_q0 = fp.tiles(q_lens)
+    tile_seq, tile_q0 = fp.tiles(q_lens, kv_lens)
+    # every 64 queries of every chunk once, the tiles with the most keys first
+    assert sorted(zip(tile_seq.tolist(), tile_q0.tolist())) == [
+        (s, q0) for s in range(S) for q0 in range(0, int(q_lens[s]), fp.BLOCK_M)]
+    keys = starts[tile_seq] + np.minimum(tile_q0 + fp.BLOCK_M, q_lens[tile_seq])
+    assert keys.tolist() == sorted(keys.tolist(), reverse=True) and keys[0] == 250
     args = (cp.asarray(q.astype(np.float16)), cp.asarray(tile_seq), cp.asarray(tile_q0), cp.asarray(q_start),
             cp.asarray(q_lens), cp.asarray(kv_lens), kp, vp, 0, KVH, D ** -0.5)
     outs = {}

@@ -946,8 +946,9 @@ class CudaRunner:
         # split-KV decoding: a 64-query prefill tile would spend 63/64 of its work on padding.
         nd = int(np.argmin(q_lens == 1)) if (q_lens != 1).any() else len(rows)
         nd = min(nd, self.rows)
-        tile_seq, tile_q0 = tiles(q_lens[nd:])
-        max_keys = max((r.kv_len for r in rows[nd:]), default=0)
+        kv_lens = np.array([r.kv_len for r in rows], np.int32)
+        tile_seq, tile_q0 = tiles(q_lens[nd:], kv_lens[nd:])
+        max_keys = int(kv_lens[nd:].max(initial=0))
         logit_rows = [i for i, r in enumerate(rows) if r.sample]
         last_tok = (q_start + q_lens - 1)[logit_rows].astype(np.int64)
 
@@ -955,7 +956,7 @@ class CudaRunner:
             dev = {name: cp.asarray(arr) for name, arr in (
                 ("tok_ids", tok_ids), ("tok_pos", tok_pos), ("tok_k", tok_k), ("tok_v", tok_v),
                 ("tile_seq", tile_seq), ("tile_q0", tile_q0), ("q_start", q_start), ("q_len", q_lens),
-                ("kv_len", np.array([r.kv_len for r in rows], np.int32)), ("seq_k", seq_k), ("seq_v", seq_v))}
+                ("kv_len", kv_lens), ("seq_k", seq_k), ("seq_v", seq_v))}
             self._pending_inputs(rows, q_start, dev["tok_ids"])
             self._sampled_at = {rows[i].seq_id: j for j, i in enumerate(logit_rows)}
             embedding(dev["tok_ids"], w.embed_tokens, b.embed_out[:T])
