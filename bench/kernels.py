@@ -9,6 +9,7 @@ alone vs a whole runner step (the difference is host work).
         python bench/kernels.py --shape llama3-8b --batch 1 --profile > ncu.csv
     python bench/kernels.py --ncu-summary ncu.csv      # each kernel of one decode graph, by name
     python bench/kernels.py --mixed 252,576,4,448 --quantization fp8 --kv-cache-dtype fp8  # a mixed step by kernel
+    python bench/kernels.py --attention 512,2048,4x512 --kv-cache-dtype fp8   # prefill attention alone, and stop
 """
 
 from __future__ import annotations
@@ -37,6 +38,24 @@ def time_gpu(fn, iters: int = 50, warmup: int = 5) -> float:
         end.synchronize()
         times.append(cp.cuda.get_elapsed_time(start, end))
     return statistics.median(times)
+
+
+def time_graph(fn, launches: int = 10) -> float:
+    """Median milliseconds of one fn(), from a CUDA graph of `launches` calls replayed (no host
+    time between the kernels: a short kernel's launch costs the host more than its GPU time)."""
+    cp.cuda.Device().synchronize()  # fn's inputs, written on the default stream, which this one does not wait for
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        fn()
+        stream.synchronize()
+        stream.begin_capture()
+        for _ in range(launches):
+            fn()
+        graph = stream.end_capture()
+        ms = time_gpu(lambda: graph.launch(stream), iters=15, warmup=3)
+        stream.synchronize()
+    del graph
+    return ms / launches
 
 
 def copy_bandwidth(nbytes: int = 4 << 30) -> float:
@@ -169,24 +188,37 @@ def gemv_sweep(shape: dict, batches: list[int], fp8: bool = False) -> list[str]:
     return rows
 
 
-def attention_table(shape: dict, lengths: list[int]) -> list[str]:
-    """Prefill attention alone: one causal sequence of each length, every head of one layer."""
+def attention_table(shape: dict, specs: list[str], kv_dtype: str = "auto") -> list[str]:
+    """Prefill attention alone, every head of one layer (launches replayed from a graph): each
+    spec is one causal sequence of L tokens ("2048") or N of them in one launch ("4x512", as
+    a serving step's prompts); kv_dtype fp8: the cache holds e4m3 bytes (random, no NaN codes)."""
+    import numpy as np
+
     from kernels_cuda.flash_prefill import flash_prefill, tiles
     H, KVH, D = shape["num_heads"], shape["num_kv_heads"], shape["head_dim"]
+    fp8 = kv_dtype == "fp8"
     rows = []
-    for L in lengths:
-        q = (cp.random.standard_normal((L, H, D), dtype=cp.float32)).astype(cp.float16)
-        k = (cp.random.standard_normal((L, KVH, D), dtype=cp.float32)).astype(cp.float16)
-        v = (cp.random.standard_normal((L, KVH, D), dtype=cp.float32)).astype(cp.float16)
+    for spec in specs:
+        n, _, length = spec.rpartition("x")
+        n, L = int(n or 1), int(length)
+        q_lens = np.full(n, L, np.int32)
+        q = (cp.random.standard_normal((n * L, H, D), dtype=cp.float32)).astype(cp.float16)
+        if fp8:  # codes 0x00..0x7d with either sign: no NaN (0x7f, 0xff)
+            codes = cp.random.randint(0, 0x7E, (2, n, L, KVH, D), dtype=cp.int32)
+            cache = (codes | (cp.random.randint(0, 2, codes.shape, dtype=cp.int32) << 7)).astype(cp.uint8)
+        else:
+            cache = cp.random.standard_normal((2, n, L, KVH, D), dtype=cp.float32).astype(cp.float16)
         out = cp.empty_like(q)
-        q_lens = cp.asarray([L], dtype=cp.int32)
-        tile_seq, tile_q0 = (cp.asarray(a) for a in tiles(cp.asnumpy(q_lens)))
-        zero = cp.zeros(1, cp.int32)
-        kp, vp = cp.asarray([k.data.ptr], dtype=cp.int64), cp.asarray([v.data.ptr], dtype=cp.int64)
-        ms = time_gpu(lambda: flash_prefill(q, tile_seq, tile_q0, zero, q_lens, q_lens, kp, vp, 0, KVH,
-                                            D ** -0.5, out), iters=20)
-        flops = 4 * (L * (L + 1) / 2) * H * D  # Q K^T and P V over the causal half
-        rows.append(f"prefill attention L={L:<5d} H={H} KVH={KVH} D={D}: {ms:7.3f} ms {flops / ms / 1e9:6.1f} TFLOP/s")
+        tile_seq, tile_q0 = (cp.asarray(a) for a in tiles(q_lens, q_lens))
+        q_start = cp.asarray(np.arange(n, dtype=np.int32) * L)
+        lens = cp.asarray(q_lens)
+        kp = cp.asarray([cache[0, i].data.ptr for i in range(n)], dtype=cp.int64)
+        vp = cp.asarray([cache[1, i].data.ptr for i in range(n)], dtype=cp.int64)
+        ms = time_graph(lambda: flash_prefill(q, tile_seq, tile_q0, q_start, lens, lens, kp, vp, 0, KVH, D ** -0.5,
+                                              out, kv_fp8=fp8, max_keys=L))
+        flops = n * 4 * (L * (L + 1) / 2) * H * D  # Q K^T and P V over the causal half
+        rows.append(f"prefill attention {n}x{L:<5d} H={H} KVH={KVH} D={D} kv={'fp8' if fp8 else '16'}: "
+                    f"{ms * 1e3:8.1f} us {flops / ms / 1e9:6.1f} TFLOP/s")
     return rows
 
 
@@ -397,7 +429,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--skip-matmul", action="store_true")
     ap.add_argument("--gemv-sweep", action="store_true", help="compare gemv.cu shape constants and stop")
-    ap.add_argument("--attention", default="", help="prefill attention alone at these lengths, e.g. 2048,8192")
+    ap.add_argument("--attention", default="", help="prefill attention alone at these lengths, e.g. 2048,8192, "
+                    "or N prompts of a length in one launch, e.g. 4x512 (with --kv-cache-dtype), and stop")
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8: the decode graphs' K/V cache "
                     "(fp8: with programmatic dependent launch only)")
     ap.add_argument("--fp8", action="store_true", help="the fp8 matrix products against the 16-bit ones and stop")
@@ -423,9 +456,12 @@ def main() -> None:
         return
     from engine.loader.random_model import SHAPES
     lines = [f"copy bandwidth: {copy_bandwidth():.0f} GB/s (read + write)"]
-    lengths = [int(x) for x in args.attention.split(",")] if args.attention else []
-    if lengths:
-        lines += attention_table(SHAPES[args.shape], lengths)
+    specs = args.attention.split(",") if args.attention else []
+    if specs:
+        lines += attention_table(SHAPES[args.shape], specs, args.kv_cache_dtype)
+        if not (args.gemv_sweep or args.fp8):  # prefill attention alone
+            print("\n".join(lines))
+            return
     if args.gemv_sweep:
         print("\n".join(lines + gemv_sweep(SHAPES[args.shape], batches, fp8=args.quantization == "fp8")))
         return
