@@ -162,14 +162,8 @@ def serve_child(args) -> None:
     from server.settings import ServeSettings
     if args.engine_process:
         engine = EngineProcess(sim_config(args), build=functools.partial(build_engine, args))
-
-        def in_engine(fn):
-            return engine.call(fn)
     else:
         engine = build_engine(args)
-
-        def in_engine(fn):
-            return fn(engine)
     settings = ServeSettings(model=args.model, port=args.port, engine_process=args.engine_process)
     app = create_app(settings, engine=engine)
     engine.start()
@@ -178,11 +172,11 @@ def serve_child(args) -> None:
 
     def on_mark() -> None:
         if not mark:
-            engine_cpu = in_engine(_sim_start)
+            engine_cpu = engine.call(_sim_start)
             times.reset()
             mark.update(cpu=time.process_time(), engine_cpu=engine_cpu, tokens=engine.stats.generation_tokens)
             return
-        report, engine_cpu = in_engine(_sim_report)
+        report, engine_cpu = engine.call(_sim_report)
         tokens = engine.stats.generation_tokens - mark["tokens"]
         cpu = time.process_time() - mark["cpu"]
         line = {"server_cpu_s": cpu, "tokens": tokens, "server_cpu_us_per_token": cpu / max(tokens, 1) * 1e6,
@@ -193,7 +187,7 @@ def serve_child(args) -> None:
         mark.clear()
 
     # the handler only starts a thread: it may run while this thread holds a lock that
-    # in_engine takes
+    # engine.call takes
     signal.signal(signal.SIGUSR1, lambda *_: threading.Thread(target=on_mark).start())
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning",
                 timeout_keep_alive=settings.keep_alive_timeout)  # its lifespan shuts the engine down

@@ -205,7 +205,7 @@ def step_summary(trace: list[tuple[int, int, float]]) -> dict:
 
 def _trace_steps(engine, budget: int) -> None:
     """From now on, run steps within `budget` tokens and trace each: (decode rows, prompt
-    tokens, seconds). In the engine's process (EngineProcess.call) or this one."""
+    tokens, seconds). Run through engine.call, where the engine lives."""
     from dataclasses import replace
     engine.scheduler.config = replace(engine.scheduler.config, max_num_batched_tokens=budget)
     trace: list[tuple[int, int, float]] = []
@@ -238,14 +238,7 @@ async def run_engine(args) -> list[dict]:
                                   max_num_batched_tokens=max(args.budgets),
                                   max_model_len=args.input_len + args.output_len + 16,
                                   prompts_ahead=args.schedule_prompts_ahead))
-    if args.engine_process:
-        engine = EngineProcess(config)
-        in_engine = engine.call
-    else:
-        engine = Engine(config)
-
-        def in_engine(fn, *fn_args):
-            return fn(engine, *fn_args)
+    engine = EngineProcess(config) if args.engine_process else Engine(config)
     args.vocab = min(args.vocab, engine.model_config.vocab_size)
     prompts = make_prompts(args)
     summaries, traces = [], []
@@ -253,11 +246,11 @@ async def run_engine(args) -> list[dict]:
     try:
         await engine_request(engine, prompts[0][:16], 4)  # warm-up
         for budget in args.budgets:
-            in_engine(_trace_steps, budget)
+            engine.call(_trace_steps, budget)
             results, start, end = await closed_loop(prompts, args.concurrency, args.request_rate, args.seed + 1,
                                                     args.output_len,
                                                     lambda prompt, n: engine_request(engine, prompt, n))
-            trace = in_engine(_take_trace)
+            trace = engine.call(_take_trace)
             summary = summarize(args, args.engine, results, end - start)
             summary.update(max_num_batched_tokens=budget, steps=step_summary(trace),
                            step_seconds=sum(t[2] for t in trace))

@@ -212,6 +212,11 @@ class EngineAPI:
     def abort(self, request_id: str) -> None:
         raise NotImplementedError
 
+    def call(self, fn: Callable, *args):
+        """fn(engine, *args) where the engine lives (benchmarks and tests: its runner, its
+        scheduler's settings) and its result."""
+        raise NotImplementedError
+
     @property
     def served_model_name(self) -> str:
         return self.config.served_model_name or self.config.model
@@ -327,8 +332,14 @@ class Engine(EngineAPI):
         if self.dead is not None:
             raise EngineDeadError(f"the engine stopped: {self.dead!r}")
         self.check_request(prompt_token_ids, params)
-        request_id = request_id or uuid.uuid4().hex
-        request = Request(request_id, prompt_token_ids, params, arrival=arrival)
+        return self.enqueue(Request(request_id or uuid.uuid4().hex, prompt_token_ids, params, arrival=arrival), sink)
+
+    def enqueue(self, request: Request, sink: Sink) -> str:
+        """Queue a request that check_request passed (any thread); add_request without the
+        check, for an engine process whose parent made it. Raises QueueFullError at once."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine stopped: {self.dead!r}")
+        request_id = request.request_id
         with self._wake:
             pending = sum(1 for kind, _ in self._inbox if kind == "add")
             if self.scheduler.queue_full(pending):
@@ -343,6 +354,10 @@ class Engine(EngineAPI):
         with self._wake:
             self._inbox.append(("abort", request_id))
             self._wake.notify()
+
+    def call(self, fn: Callable, *args):
+        """fn(engine, *args), here on the caller's thread."""
+        return fn(self, *args)
 
     # ------------------------------------------------------------ the loop
 

@@ -36,7 +36,7 @@ from typing import Any, Callable
 from .config import EngineConfig
 from .engine import (BatchSink, CompletionOutput, Engine, EngineAPI, EngineDeadError, EngineGauges, EngineObserver,
                      EngineStats, LoopSink, RequestOutput, Sink, deliver)
-from .request import RequestTimings, SamplingParams
+from .request import Request, RequestTimings, SamplingParams
 from .scheduler import QueueFullError
 
 log = logging.getLogger("cuserve.engine")
@@ -158,7 +158,7 @@ class EngineProcess(EngineAPI):
         return self._gauges
 
     def call(self, fn: Callable[..., Any], *args: Any, timeout: float = 60.0) -> Any:
-        """fn(engine, *args) in the child (fn picklable, e.g. a module-level function);
+        """fn(engine, *args) in the child (fn and args picklable: fn a module-level function);
         returns its result or raises RuntimeError with the child's exception."""
         with self._calls:
             self._send(("call", fn, args))
@@ -299,10 +299,10 @@ def _child_main(config: EngineConfig, conn, build: Callable[[EngineConfig], Engi
             except (EOFError, OSError):  # the parent is gone
                 break
             kind = message[0]
-            if kind == "add":
+            if kind == "add":  # checked by the parent (EngineProcess.add_request)
                 _, request_id, prompt_token_ids, params, arrival = message
                 try:
-                    engine.add_request(prompt_token_ids, params, sink, request_id, arrival)
+                    engine.enqueue(Request(request_id, prompt_token_ids, params, arrival=arrival), sink)
                 except (ValueError, QueueFullError, EngineDeadError) as exc:
                     error_kind = "overloaded" if isinstance(exc, QueueFullError) else (
                         "invalid" if isinstance(exc, ValueError) else "internal")
