@@ -8,6 +8,7 @@ alone vs a whole runner step (the difference is host work).
         --metrics gpu__time_duration.sum,dram__bytes_read.sum \
         python bench/kernels.py --shape llama3-8b --batch 1 --profile > ncu.csv
     python bench/kernels.py --ncu-summary ncu.csv      # each kernel of one decode graph, by name
+    python bench/kernels.py --shape smollm2-135m --batch 1 --context 96 --timeline  # a decode graph by kernel
     python bench/kernels.py --mixed 252,576,4,448 --quantization fp8 --kv-cache-dtype fp8  # a mixed step by kernel
     python bench/kernels.py --attention 512,2048,4x512 --kv-cache-dtype fp8   # prefill attention alone, and stop
 """
@@ -293,6 +294,80 @@ def profile_graph(shape_name: str, batch: int, context: int, kv_dtype: str = "au
     cp.cuda.profiler.stop()
 
 
+def timeline_table(shape_name: str, batch: int, context: int, kv_dtype: str = "auto",
+                   quantization: str | None = None, replays: int = 20) -> list[str]:
+    """Where a decode graph's time goes with every kernel in place (PDL overlaps included):
+    each kernel's block 0 stamps the global timer once past its wait (_module.Timeline), and a
+    kernel's stage is the time from its stamp to the next kernel's, i.e. its own run after the
+    wait plus the boundary to the next. cuBLAS kernels (steps over 16 rows) stamp nothing: their
+    time falls into the stage before them. Medians over the replays, summed by kernel (and the
+    kernel before it, which tells e.g. the o projection from the down projection)."""
+    import numpy as np
+
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine.loader import load_model
+    from engine.outputs import ScheduledSeq, SchedulerOutput
+    from engine.request import SamplingParams
+    from engine.runner.cuda_runner import CudaRunner
+    from kernels_cuda._module import Timeline
+    model = load_model(f"random:{shape_name}", with_tokenizer=False)
+    config = EngineConfig(model=shape_name, device="cuda", quantization=quantization,
+                          cache=CacheConfig(kv_cache_bytes=8 << 30, kv_cache_dtype=kv_dtype),
+                          scheduler=SchedulerConfig(max_num_seqs=batch, max_model_len=context + 256,
+                                                    max_num_batched_tokens=2048))
+    tl = Timeline()
+    with tl.compiling():
+        runner = CudaRunner(config, model, progress=False)
+        fill_kv_random(runner)
+        greedy = SamplingParams(temperature=0)
+        runner.execute(SchedulerOutput([ScheduledSeq(i, [5], context, i * (context + 256), True, greedy,
+                                                     rng_seed=i) for i in range(batch)]))
+        runner.stream.synchronize()
+        runner._launch_pdl = runner.pdl
+        try:
+            with runner.stream:
+                tl.names.clear()
+                runner.stream.begin_capture()
+                runner._decode_body(batch)
+                graph = runner.stream.end_capture()
+        finally:
+            runner._launch_pdl = False
+        names = list(tl.names)
+    stream = runner.stream
+    with stream:
+        timed = {on: [] for on in (False, True)}
+        for _ in range(3):
+            for on in (False, True):
+                tl.enable(on)
+                timed[on].append(time_gpu(lambda: graph.launch(stream), iters=20))
+        tl.enable(True)
+        stages = []
+        for _ in range(replays):
+            tl.reset()
+            graph.launch(stream)
+            stream.synchronize()
+            t = tl.read()
+            if len(t) != len(names):
+                raise RuntimeError(f"{len(t)} stamps for {len(names)} kernels")
+            stages.append(np.diff(t) / 1e3)
+    med = np.median(np.stack(stages), axis=0)  # us, stage i = kernel i (the last kernel has none)
+    totals: dict[str, list] = {}
+    for i, us in enumerate(med):
+        key = f"{names[i]} (after {names[i - 1] if i else '-'})"
+        t = totals.setdefault(key, [0, 0.0])
+        t[0] += 1
+        t[1] += us
+    ms = {on: statistics.median(v) for on, v in timed.items()}
+    out = [(f"timeline {shape_name} w={quantization or '16'} kv={kv_dtype} B={batch} ctx={context}: graph "
+            f"{ms[False]:.3f} ms ({ms[True]:.3f} with the stamps), {len(names)} kernels, stages {med.sum() / 1e3:.3f} "
+            "ms to the last kernel's start")]
+    for key, (n, us) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
+        out.append(f"  {key:58s} x{n:<4d} {us:9.1f} us ({us / n:6.2f} each)")
+    del runner
+    cp.get_default_memory_pool().free_all_blocks()
+    return out
+
+
 # the kernel functions a runner step calls (engine/runner/cuda_runner.py's imports), timed by --mixed
 STEP_KERNELS = ("embedding", "rms_norm", "add_rms_norm", "gemm", "gemm_fp8", "quantize_rows", "gemv", "gemv_rope",
                 "gemv_silu", "rope_kv_write", "flash_prefill", "flash_decode", "silu_mul", "sample_tokens",
@@ -439,6 +514,8 @@ def main() -> None:
                     help="launch the first batch's decode graph once inside cudaProfilerStart/Stop (run under ncu)")
     ap.add_argument("--launches", type=int, default=1, help="--profile: launch the graph this many times")
     ap.add_argument("--ncu-summary", default="", help="summarise an ncu --csv file of such a run and stop")
+    ap.add_argument("--timeline", action="store_true", help="the decode graph of each --batch by kernel, every kernel in "
+                    "place (stamps of the GPU's global timer), and stop")
     ap.add_argument("--mixed", default="", help="D,C,P,L: one mixed step of D decode rows at C keys and P prompts of "
                     "L tokens, its GPU time by kernel, and stop (with --quantization, --kv-cache-dtype)")
     args = ap.parse_args()
@@ -450,6 +527,11 @@ def main() -> None:
         decodes, context, prompts, prompt_len = (int(x) for x in args.mixed.split(","))
         print("\n".join(mixed_table(args.shape, decodes, context, prompts, prompt_len, args.quantization,
                                     args.kv_cache_dtype)))
+        return
+    if args.timeline:
+        for B in batches:
+            print("\n".join(timeline_table(args.shape, B, args.context, args.kv_cache_dtype, args.quantization)),
+                  flush=True)
         return
     if args.profile:
         profile_graph(args.shape, batches[0], args.context, args.kv_cache_dtype, args.quantization, args.launches)

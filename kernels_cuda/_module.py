@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 from pathlib import Path
@@ -21,6 +22,8 @@ _MODULES: dict[tuple, cp.RawModule] = {}
 
 
 def module(family: str, **defines: int) -> cp.RawModule:
+    if _timeline is not None:
+        defines["STAMPS"] = 1
     key = (family, tuple(sorted(defines.items())))
     mod = _MODULES.get(key)
     if mod is None:
@@ -28,8 +31,61 @@ def module(family: str, **defines: int) -> cp.RawModule:
         options = ("-std=c++17", f"-I{KERNEL_DIR}",
                    *(f"-D{k}={int(v)}" for k, v in sorted(defines.items())))
         mod = cp.RawModule(code=source, options=options)
+        if _timeline is not None:
+            _timeline.attach(mod)
         _MODULES[key] = mod
     return mod
+
+
+class Timeline:
+    """Where the kernels of a stream (a replayed graph above all) start, on the GPU's global
+    timer (common.cuh's STAMPS): while one is open, modules are compiled with stamps and
+    launch() notes each kernel's name. Exploration only (bench/kernels.py --timeline): the
+    stamp's atomic delays block 0 of each kernel by an L2 round trip.
+
+        tl = Timeline()
+        with tl.compiling():  # build the runner to be timed, then tl.names.clear() and capture
+            ...
+        tl.reset(); graph.launch(s); s.synchronize(); starts = tl.read()
+    """
+
+    def __init__(self, slots: int = 1 << 14) -> None:
+        self.buf = cp.zeros(1 + slots, np.uint64)
+        self.names: list[str] = []
+        self._slots: list[cp.ndarray] = []  # each stamped module's stamp_buf
+
+    @contextlib.contextmanager
+    def compiling(self):
+        """Modules compiled and kernels launched inside are stamped and named (see the class)."""
+        global _timeline
+        _timeline = self
+        try:
+            yield self
+        finally:
+            _timeline = None
+
+    def attach(self, mod: cp.RawModule) -> None:
+        self._slots.append(cp.ndarray((1,), np.uint64, memptr=mod.get_global("stamp_buf")))
+        self._slots[-1][0] = self.buf.data.ptr
+
+    def enable(self, on: bool) -> None:
+        """Point the stamped modules at the buffer, or at nothing (their kernels then skip the
+        stamp: the same code, timed without it)."""
+        for slot in self._slots:
+            slot[0] = self.buf.data.ptr if on else 0
+
+    def reset(self) -> None:
+        self.buf[0] = 0
+
+    def read(self) -> np.ndarray:
+        """The stamps since reset(), in nanoseconds, in the order the kernels passed their wait."""
+        n = int(self.buf[0].get())
+        if n >= self.buf.size:
+            raise RuntimeError(f"Timeline: {n} stamps for {self.buf.size - 1} slots")
+        return self.buf[1:1 + n].get().astype(np.int64)
+
+
+_timeline: Timeline | None = None
 
 
 _SMEM_SET: set[tuple[int, str]] = set()
@@ -216,6 +272,8 @@ def _c_arg(arg):
 def launch(kernel: cp.RawKernel, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0,
            pdl: bool = False) -> None:
     """Launch on the current stream; with pdl, as a programmatic dependent launch."""
+    if _timeline is not None:
+        _timeline.names.append(kernel.name)
     if not pdl:
         kernel(grid, block, args, shared_mem=shared_mem)
         return

@@ -36,15 +36,36 @@ __device__ __forceinline__ scalar2_t from_float2(float lo, float hi) { return __
 // lets the next kernel start at once. Every kernel opens with PDL_ENTER() (the matrix
 // products first prefetch their weights, which nothing writes). Without the attribute
 // (or before sm_90) both are no-ops.
+// -DSTAMPS=1 (bench/kernels.py --timeline): block (0, 0, 0) of every kernel also writes the
+// global timer, past the wait, to the next slot of stamp_buf (_module.Timeline sets it; its
+// first word counts the slots taken), so a graph's kernels can be timed where they run, PDL
+// overlaps included. Off by default: the atomic delays block 0 by an L2 round trip.
+#ifndef STAMPS
+#define STAMPS 0
+#endif
+#if STAMPS
+__device__ unsigned long long *stamp_buf;
+__device__ __forceinline__ void stamp() {
+    if ((blockIdx.x | blockIdx.y | blockIdx.z | threadIdx.x | threadIdx.y | threadIdx.z) == 0 && stamp_buf) {
+        unsigned long long t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        stamp_buf[1 + atomicAdd(stamp_buf, 1ULL)] = t;
+    }
+}
+#else
+__device__ __forceinline__ void stamp() {}
+#endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define PDL_ENTER()                                            \
     do {                                                       \
         asm volatile("griddepcontrol.wait;" ::: "memory");     \
+        stamp();                                               \
         asm volatile("griddepcontrol.launch_dependents;" :::); \
     } while (0)
 #else
 #define PDL_ENTER() \
     do {            \
+        stamp();    \
     } while (0)
 #endif
 
