@@ -27,11 +27,28 @@ CONFIG_WIDE = {"WARPS": 8, "DEPTH": 4}  # from 5 rows on
 PREFETCH_BUDGET = 12 << 20  # bytes of a matrix asked into the L2 while the previous kernel ends
 
 
-def tiles(rows: int, fp8: bool = False) -> int:
-    """8-feature tiles a block computes: one up to 8 rows, two beyond (gemv.cu); two for e4m3
-    weights (H200, Llama-3-8B matrices at 1 row: one tile left each block a single pass over
-    its 8 rows and ran at ~2.4 TB/s)."""
-    return 1 if rows <= 8 and not fp8 else 2
+# 16-bit weights at 1-8 rows take two 8-feature tiles a block in the matrices with the most
+# rows (LM heads) and in wide ones whose rows still fit the first pass of a block's warps (see
+# tiles): there one tile gives many blocks that each stream little (and, with a folded norm,
+# each norm the row again). H200 decode graphs, B=1 (bench/kernels.py --timeline): SmolLM2's LM
+# head 25.4 -> 16.0 us, its gate/up product 3.0 -> 2.4 us; Llama-3-8B's LM head 262 -> 249 us,
+# while its other products were 1-15 % slower with two tiles (and SmolLM2's down product, whose
+# 3 KB rows then miss the first pass, 2.1 -> 2.9 us).
+TWO_TILES_MIN_N = 65536
+TWO_TILES_MIN_N_SHORT = 2048
+
+
+def tiles(rows: int, fp8: bool = False, row_bytes: int = 0, n: int = 0) -> int:
+    """8-feature tiles a block computes: two for e4m3 weights (H200, Llama-3-8B matrices at 1
+    row: one tile left each block a single pass over its 8 rows and ran at ~2.4 TB/s) and
+    beyond 8 rows; for 16-bit weights at 1-8 rows one, except for n >= TWO_TILES_MIN_N rows of
+    weights, or n >= TWO_TILES_MIN_N_SHORT rows of row_bytes that two tiles still preload."""
+    if rows > 8 or fp8:
+        return 2
+    cfg = CONFIG if rows <= 4 else CONFIG_WIDE
+    if n >= TWO_TILES_MIN_N or (n >= TWO_TILES_MIN_N_SHORT and preload(row_bytes, cfg, 2)):
+        return 2
+    return 1
 
 
 def preload(row_bytes: int, config: dict, n_tiles: int) -> bool:
@@ -113,15 +130,16 @@ def _launch(name: str, x: cp.ndarray, w, extra: tuple, pdl: bool, config: dict |
     cfg = config or (CONFIG if B <= 4 else CONFIG_WIDE)
     prefetch = min(K * w.itemsize, PREFETCH_BUDGET // N) // 16 * 16  # the first bytes of every row
     fp8 = scale is not None
-    suffix = "16" if B > 8 else "8x2" if tiles(B, fp8) == 2 else "8"
-    pre = int(preload(K * w.itemsize, cfg, tiles(B, fp8)))
+    n_tiles = tiles(B, fp8, K * w.itemsize, N)
+    suffix = "16" if B > 8 else "8x2" if n_tiles == 2 else "8"
+    pre = int(preload(K * w.itemsize, cfg, n_tiles))
     if norm is not None:
         if x.nbytes > 48 << 10:
             raise ValueError(f"gemv: a folded norm keeps the rows in shared memory, {x.nbytes} bytes > 48 KB")
         defines.update(NORM_IN=1, NORM_THREADS=rmsnorm.THREADS)
     kernel = module("gemv", USE_BF16=use_bf16(x), W_FP8=int(fp8), PRELOAD=pre, **cfg,
                     **defines).get_function(f"{name}_{suffix}")
-    grid = -(-N // (8 * tiles(B, fp8)))
+    grid = -(-N // (8 * n_tiles))
     launch(kernel, (grid,), (32 * cfg["WARPS"],), (x, w, i32(B), i32(N), i32(K), i32(prefetch), ptr_or_null(scale),
                                                    *(NO_NORM if norm is None else norm.args(B, K)), *extra),
            shared_mem=0 if norm is None else x.nbytes, pdl=pdl)

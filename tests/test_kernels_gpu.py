@@ -181,14 +181,19 @@ def test_gemv(dtype, B, K):
     np.testing.assert_allclose(cp.asnumpy(out), ref, rtol=1e-4, atol=2e-3 * np.sqrt(K / 264))
 
 
-def test_gemv_rows_do_not_depend_on_the_batch():
-    from kernels_cuda.gemv import gemv
+@pytest.mark.parametrize("N", [100, 2048])
+def test_gemv_rows_do_not_depend_on_the_batch(N):
+    """The same bits whatever the rows, across kernels and tile counts: at N = 2048 (rows of 1 KB)
+    one to four rows take two feature tiles a block, five to eight one (gemv.tiles)."""
+    from kernels_cuda.gemv import gemv, tiles
+    assert [tiles(b, False, 1040, N) for b in (1, 4, 5, 8)] == ([2, 2, 1, 1] if N == 2048 else [1] * 4)
     x = to_dev(rng.standard_normal((16, 520)).astype(np.float32), "float16")
-    w = to_dev(rng.standard_normal((100, 520)).astype(np.float32), "float16")
+    w = to_dev(rng.standard_normal((N, 520)).astype(np.float32), "float16")
     together = cp.asnumpy(gemv(x, w))
     for b in range(16):
         np.testing.assert_array_equal(cp.asnumpy(gemv(x[b:b + 1], w))[0], together[b])
-    np.testing.assert_array_equal(cp.asnumpy(gemv(x[:8], w)), together[:8])  # the 8-row kernel too
+    for n in (4, 5, 8):  # the 8-row kernels too
+        np.testing.assert_array_equal(cp.asnumpy(gemv(x[:n], w)), together[:n])
 
 
 @pytest.mark.parametrize("config", [{"WARPS": 8, "DEPTH": 8}, {"WARPS": 4, "DEPTH": 4}, {"WARPS": 16, "DEPTH": 2}],
@@ -267,11 +272,13 @@ def maybe_fp8(w: cp.ndarray, wfp8: bool):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B", [1, 5, 12])
 @pytest.mark.parametrize("wfp8", [False, True], ids=["w16", "w8"])
-def test_gemv_silu_is_gemv_then_silu_mul(dtype, B, wfp8):
-    """The gate/up product with SiLU * up in its epilogue gives the bits of the two kernels."""
+@pytest.mark.parametrize("inter", [88, 1024])
+def test_gemv_silu_is_gemv_then_silu_mul(dtype, B, wfp8, inter):
+    """The gate/up product with SiLU * up in its epilogue gives the bits of the two kernels
+    (inter 1024: 16-bit weights take two tiles a block at 1-8 rows too, gemv.tiles)."""
     from kernels_cuda.activation import silu_mul
     from kernels_cuda.gemv import gemv, gemv_silu
-    inter, K = 88, 272  # 22 blocks of 4 gate/up pairs (up to 8 rows) or 11 of 8
+    K = 272  # inter 88: 22 blocks of 4 gate/up pairs (one tile) or 11 of 8 (two)
     x = to_dev(rng.standard_normal((B, K)).astype(np.float32), dtype)
     w = maybe_fp8(to_dev(rng.standard_normal((2 * inter, K)).astype(np.float32) * 0.2, dtype), wfp8)
     fused = gemv_silu(x, w, cp.zeros((B, inter), x.dtype))
