@@ -266,27 +266,38 @@ def decode_table(shape_name: str, batches: list[int], context: int, pdl: bool | 
     return rows
 
 
-def profile_graph(shape_name: str, batch: int, context: int, kv_dtype: str = "auto",
-                  quantization: str | None = None, launches: int = 1) -> None:
-    """Launch the decode graph of `batch` rows `launches` times between cudaProfilerStart/Stop,
-    for `ncu --profile-from-start off --graph-profiling node` (see ncu_summary; one launch) or
-    `nsys profile --capture-range=cudaProfilerApi --cuda-graph-trace=node` (the kernels timed
-    inside the graph, overlaps included)."""
+def decode_runner(shape_name: str, batch: int, context: int, kv_dtype: str = "auto",
+                  quantization: str | None = None, fill_kv: bool = False):
+    """A CUDA runner of a random-weight shape whose step inputs hold `batch` decode rows at
+    `context` keys (one step executed); fill_kv: random K/V in its pool first."""
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.loader import load_model
     from engine.outputs import ScheduledSeq, SchedulerOutput
     from engine.request import SamplingParams
-    from engine.runner.cuda_runner import CudaRunner, bucket_for
+    from engine.runner.cuda_runner import CudaRunner
     model = load_model(f"random:{shape_name}", with_tokenizer=False)
     config = EngineConfig(model=shape_name, device="cuda", quantization=quantization,
                           cache=CacheConfig(kv_cache_bytes=8 << 30, kv_cache_dtype=kv_dtype),
                           scheduler=SchedulerConfig(max_num_seqs=batch, max_model_len=context + 256,
                                                     max_num_batched_tokens=2048))
     runner = CudaRunner(config, model, progress=False)
+    if fill_kv:
+        fill_kv_random(runner)
     greedy = SamplingParams(temperature=0)
     runner.execute(SchedulerOutput([ScheduledSeq(i, [5], context, i * (context + 256), True, greedy, rng_seed=i)
                                     for i in range(batch)]))
     runner.stream.synchronize()
+    return runner
+
+
+def profile_graph(shape_name: str, batch: int, context: int, kv_dtype: str = "auto",
+                  quantization: str | None = None, launches: int = 1) -> None:
+    """Launch the decode graph of `batch` rows `launches` times between cudaProfilerStart/Stop,
+    for `ncu --profile-from-start off --graph-profiling node` (see ncu_summary; one launch) or
+    `nsys profile --capture-range=cudaProfilerApi --cuda-graph-trace=node` (the kernels timed
+    inside the graph, overlaps included)."""
+    from engine.runner.cuda_runner import bucket_for
+    runner = decode_runner(shape_name, batch, context, kv_dtype, quantization)
     cp.cuda.profiler.start()
     for _ in range(launches):
         runner.graphs[bucket_for(batch)].launch(runner.stream)
@@ -304,25 +315,10 @@ def timeline_table(shape_name: str, batch: int, context: int, kv_dtype: str = "a
     kernel before it, which tells e.g. the o projection from the down projection)."""
     import numpy as np
 
-    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-    from engine.loader import load_model
-    from engine.outputs import ScheduledSeq, SchedulerOutput
-    from engine.request import SamplingParams
-    from engine.runner.cuda_runner import CudaRunner
     from kernels_cuda._module import Timeline
-    model = load_model(f"random:{shape_name}", with_tokenizer=False)
-    config = EngineConfig(model=shape_name, device="cuda", quantization=quantization,
-                          cache=CacheConfig(kv_cache_bytes=8 << 30, kv_cache_dtype=kv_dtype),
-                          scheduler=SchedulerConfig(max_num_seqs=batch, max_model_len=context + 256,
-                                                    max_num_batched_tokens=2048))
     tl = Timeline()
     with tl.compiling():
-        runner = CudaRunner(config, model, progress=False)
-        fill_kv_random(runner)
-        greedy = SamplingParams(temperature=0)
-        runner.execute(SchedulerOutput([ScheduledSeq(i, [5], context, i * (context + 256), True, greedy,
-                                                     rng_seed=i) for i in range(batch)]))
-        runner.stream.synchronize()
+        runner = decode_runner(shape_name, batch, context, kv_dtype, quantization, fill_kv=True)
         runner._launch_pdl = runner.pdl
         try:
             with runner.stream:

@@ -38,14 +38,20 @@ TWO_TILES_MIN_N = 65536
 TWO_TILES_MIN_N_SHORT = 2048
 
 
-def tiles(rows: int, fp8: bool = False, row_bytes: int = 0, n: int = 0) -> int:
+def default_config(rows: int) -> dict:
+    """gemv.cu's shape constants for a product of `rows` rows (CONFIG or CONFIG_WIDE)."""
+    return CONFIG if rows <= 4 else CONFIG_WIDE
+
+
+def tiles(rows: int, fp8: bool = False, row_bytes: int = 0, n: int = 0, config: dict | None = None) -> int:
     """8-feature tiles a block computes: two for e4m3 weights (H200, Llama-3-8B matrices at 1
     row: one tile left each block a single pass over its 8 rows and ran at ~2.4 TB/s) and
     beyond 8 rows; for 16-bit weights at 1-8 rows one, except for n >= TWO_TILES_MIN_N rows of
-    weights, or n >= TWO_TILES_MIN_N_SHORT rows of row_bytes that two tiles still preload."""
+    weights, or n >= TWO_TILES_MIN_N_SHORT rows of row_bytes that two tiles still preload
+    (with config, default_config(rows) if None)."""
     if rows > 8 or fp8:
         return 2
-    cfg = CONFIG if rows <= 4 else CONFIG_WIDE
+    cfg = config or default_config(rows)
     if n >= TWO_TILES_MIN_N or (n >= TWO_TILES_MIN_N_SHORT and preload(row_bytes, cfg, 2)):
         return 2
     return 1
@@ -127,12 +133,13 @@ def _launch(name: str, x: cp.ndarray, w, extra: tuple, pdl: bool, config: dict |
     if K % group:
         raise ValueError(f"gemv: K={K} must be a multiple of {group}")
     check(x, "x", x.dtype)
-    cfg = config or (CONFIG if B <= 4 else CONFIG_WIDE)
-    prefetch = min(K * w.itemsize, PREFETCH_BUDGET // N) // 16 * 16  # the first bytes of every row
+    cfg = config or default_config(B)
+    row_bytes = K * w.itemsize
+    prefetch = min(row_bytes, PREFETCH_BUDGET // N) // 16 * 16  # the first bytes of every row
     fp8 = scale is not None
-    n_tiles = tiles(B, fp8, K * w.itemsize, N)
+    n_tiles = tiles(B, fp8, row_bytes, N, cfg)
     suffix = "16" if B > 8 else "8x2" if n_tiles == 2 else "8"
-    pre = int(preload(K * w.itemsize, cfg, n_tiles))
+    pre = int(preload(row_bytes, cfg, n_tiles))
     if norm is not None:
         if x.nbytes > 48 << 10:
             raise ValueError(f"gemv: a folded norm keeps the rows in shared memory, {x.nbytes} bytes > 48 KB")
