@@ -11,6 +11,7 @@ alone vs a whole runner step (the difference is host work).
     python bench/kernels.py --shape smollm2-135m --batch 1 --context 96 --timeline  # a decode graph by kernel
     python bench/kernels.py --mixed 252,576,4,448 --quantization fp8 --kv-cache-dtype fp8  # a mixed step by kernel
     python bench/kernels.py --attention 512,2048,4x512 --kv-cache-dtype fp8   # prefill attention alone, and stop
+    python bench/kernels.py --read-patterns   # HBM reads of the skinny GEMM's grid by warp load pattern, and stop
 """
 
 from __future__ import annotations
@@ -65,6 +66,44 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> float:
     b = cp.empty_like(a)
     ms = time_gpu(lambda: b.__setitem__(Ellipsis, a), iters=20)
     return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+READ_PATTERNS = {0: "8 rows x 64 B (gemv.cu's loads)", 1: "8 rows x 64 B, 128-B lines in pairs",
+                 2: "512 contiguous bytes", 3: "row segments of DEPTH x 64 B"}
+
+
+def read_pattern_table(rounds: int = 3) -> list[str]:
+    """HBM read bandwidth of the skinny GEMM's grid (a block of 8 warps streams 8 rows) by the
+    addresses a warp's load covers (bench/read_patterns.cu), on the Llama-3-8B gate/up, down and
+    o shapes (16-bit), two buffers taking turns so the L2 holds none of it; best of `rounds`."""
+    source = (Path(__file__).resolve().parent / "read_patterns.cu").read_text(encoding="utf-8")
+    import numpy as np
+    shapes = {"gate/up 28672 x 8 KB": (28672, 8192), "down 4096 x 28 KB": (4096, 28672), "o 4096 x 8 KB": (4096, 8192)}
+    size = max(n * rowb for n, rowb in shapes.values())
+    bufs = [cp.random.randint(0, 2**31, size=size // 4, dtype=cp.int32) for _ in range(2)]
+    sink = cp.zeros(1, cp.uint64)
+    best: dict[tuple, float] = {}
+    for _ in range(rounds):
+        for depth in (4, 8):
+            for pattern in READ_PATTERNS:
+                kernel = cp.RawModule(code=source, options=("-std=c++17", f"-DPATTERN={pattern}",
+                                                            f"-DDEPTH={depth}")).get_function("read_pattern")
+                for name, (n, rowb) in shapes.items():
+                    turn = [0]
+
+                    def run(n=n, rowb=rowb, turn=turn, kernel=kernel):
+                        kernel((n // 8,), (256,), (bufs[turn[0] % 2], np.int32(rowb), sink))
+                        turn[0] += 1
+                    ms = time_graph(run, launches=8)
+                    key = (depth, pattern, name)
+                    best[key] = min(best.get(key, ms), ms)
+    lines = [f"read patterns (GB/s, best of {rounds}; copy bandwidth {copy_bandwidth():.0f} GB/s read + write)",
+             f"{'pattern':38s} {'DEPTH':>5s} " + " ".join(f"{name:>20s}" for name in shapes)]
+    for depth in (4, 8):
+        for pattern, label in READ_PATTERNS.items():
+            cells = [f"{n * rowb / best[(depth, pattern, name)] / 1e6:14.0f} GB/s" for name, (n, rowb) in shapes.items()]
+            lines.append(f"{label:38s} {depth:5d} " + " ".join(f"{c:>20s}" for c in cells))
+    return lines
 
 
 def step_matrices(shape: dict) -> dict[str, tuple[int, int, int]]:
@@ -514,8 +553,13 @@ def main() -> None:
                     "place (stamps of the GPU's global timer), and stop")
     ap.add_argument("--mixed", default="", help="D,C,P,L: one mixed step of D decode rows at C keys and P prompts of "
                     "L tokens, its GPU time by kernel, and stop (with --quantization, --kv-cache-dtype)")
+    ap.add_argument("--read-patterns", action="store_true", help="HBM read bandwidth of the skinny GEMM's grid by "
+                    "the addresses a warp load covers (bench/read_patterns.cu), and stop")
     args = ap.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
+    if args.read_patterns:
+        print("\n".join(read_pattern_table()))
+        return
     if args.ncu_summary:
         print("\n".join(ncu_summary(args.ncu_summary)))
         return

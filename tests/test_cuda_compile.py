@@ -1,5 +1,5 @@
-"""Every .cu family compiles with nvcc for sm_80 and sm_90 (the float8 variants for sm_90),
-in fp16 and bf16 (no GPU needed).
+"""Every .cu family (and the benchmarks' .cu files) compiles with nvcc for sm_80 and sm_90 (the
+float8 variants for sm_90), in fp16 and bf16 (no GPU needed).
 
 CI machines have nvcc but no GPU: this catches a kernel that does not build before a
 GPU run would. The constants are those of common models (head_dim 64/128, GQA groups).
@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 KERNELS = Path(__file__).resolve().parent.parent / "kernels_cuda"
+BENCH = KERNELS.parent / "bench"
 NVCC = shutil.which("nvcc")
 ARCHS = ("-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90")
 FP8_ARCHS = ("-gencode", "arch=compute_90,code=sm_90")  # the e4m3 conversions need sm_89+
@@ -29,12 +30,13 @@ VARIANTS = {"flash_decode": [{"HEAD_DIM": 64, "GROUP": 3}, {"HEAD_DIM": 128, "GR
             "rmsnorm": [{}, {"QUANT_OUT": 1}, {"QUANT_OUT": 1, "NORM_VEC": 8}],
             "gemv": [{}, {"HEAD_DIM": 64, "KV_FP8": 1}, {"DEPTH": 4}, {"W_FP8": 1}, {"W_FP8": 1, "DEPTH": 4},
                      {"PRELOAD": 1}, {"PRELOAD": 1, "W_FP8": 1}, {"NORM_IN": 1, "HEAD_DIM": 64},
-                     {"NORM_IN": 1, "W_FP8": 1, "PRELOAD": 1}]}
+                     {"NORM_IN": 1, "W_FP8": 1, "PRELOAD": 1}],
+            "read_patterns": [{"PATTERN": 0, "DEPTH": 8}, {"PATTERN": 3, "DEPTH": 4}, {"PATTERN": 3, "DEPTH": 8}]}
 FP8_ONLY = {"quant"}  # families that are all e4m3
 
 
 def jobs():
-    for cu in sorted(KERNELS.glob("*.cu")):
+    for cu in sorted(KERNELS.glob("*.cu")) + sorted(BENCH.glob("*.cu")):
         for defines in VARIANTS.get(cu.stem, [{}]):
             for bf16 in (0, 1):
                 yield cu, {**defines, "USE_BF16": bf16}
@@ -54,7 +56,7 @@ def test_every_kernel_family_compiles(tmp_path):
 
     all_jobs = list(jobs())
     assert {cu.stem for cu, _ in all_jobs} >= {"embedding", "rmsnorm", "rope", "activation", "gemv",
-                                               "flash_decode", "flash_prefill", "sampling"}
+                                               "flash_decode", "flash_prefill", "sampling", "read_patterns"}
     with ThreadPoolExecutor(max_workers=2) as pool:
         failures = [r for r in pool.map(build, all_jobs) if r[2] != 0]
     assert not failures, "\n".join(f"{name} {defines}:\n{err}" for name, defines, _, err in failures)
