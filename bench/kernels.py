@@ -82,21 +82,21 @@ def read_pattern_table(rounds: int = 3) -> list[str]:
     size = max(n * rowb for n, rowb in shapes.values())
     bufs = [cp.random.randint(0, 2**31, size=size // 4, dtype=cp.int32) for _ in range(2)]
     sink = cp.zeros(1, cp.uint64)
+    kernels = {(depth, pattern): cp.RawModule(code=source, options=("-std=c++17", f"-DPATTERN={pattern}",
+                                                                  f"-DDEPTH={depth}")).get_function("read_pattern")
+               for depth in (4, 8) for pattern in READ_PATTERNS}
     best: dict[tuple, float] = {}
     for _ in range(rounds):
-        for depth in (4, 8):
-            for pattern in READ_PATTERNS:
-                kernel = cp.RawModule(code=source, options=("-std=c++17", f"-DPATTERN={pattern}",
-                                                            f"-DDEPTH={depth}")).get_function("read_pattern")
-                for name, (n, rowb) in shapes.items():
-                    turn = [0]
+        for (depth, pattern), kernel in kernels.items():
+            for name, (n, rowb) in shapes.items():
+                turn = [0]
 
-                    def run(n=n, rowb=rowb, turn=turn, kernel=kernel):
-                        kernel((n // 8,), (256,), (bufs[turn[0] % 2], np.int32(rowb), sink))
-                        turn[0] += 1
-                    ms = time_graph(run, launches=8)
-                    key = (depth, pattern, name)
-                    best[key] = min(best.get(key, ms), ms)
+                def run(n=n, rowb=rowb, turn=turn, kernel=kernel):
+                    kernel((n // 8,), (256,), (bufs[turn[0] % 2], np.int32(rowb), sink))
+                    turn[0] += 1
+                ms = time_graph(run, launches=8)
+                key = (depth, pattern, name)
+                best[key] = min(best.get(key, ms), ms)
     lines = [f"read patterns (GB/s, best of {rounds}; copy bandwidth {copy_bandwidth():.0f} GB/s read + write)",
              f"{'pattern':38s} {'DEPTH':>5s} " + " ".join(f"{name:>20s}" for name in shapes)]
     for depth in (4, 8):

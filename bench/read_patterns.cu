@@ -13,6 +13,7 @@
 #ifndef DEPTH
 #define DEPTH 8
 #endif
+static_assert(DEPTH == 1 || DEPTH == 2 || DEPTH == 4 || DEPTH == 8, "a row segment is at most one instruction's 512 bytes");
 
 extern "C" __global__ void __launch_bounds__(256) read_pattern(const unsigned char *__restrict__ w, int rowb,
                                                                unsigned long long *sink) {
@@ -38,7 +39,7 @@ extern "C" __global__ void __launch_bounds__(256) read_pattern(const unsigned ch
             } else {
                 constexpr int SEG = DEPTH * 64, RPI = 512 / SEG;  // bytes of a row, rows an instruction
                 const int r = u * RPI + lane / (32 / RPI), in = (lane % (32 / RPI)) * 16;
-                c = u < 8 / RPI ? p0 + warp * DEPTH + in / 64 : chunks;
+                c = p0 + warp * DEPTH + in / 64;  // u < DEPTH = 8 / RPI: the instructions cover the 8 rows
                 off = (long long)r * rowb + (long long)(p0 + warp * DEPTH) * 64 + in;
             }
             v[u] = c < chunks ? __ldcs(reinterpret_cast<const uint4 *>(base + off)) : make_uint4(0, 0, 0, 0);
