@@ -8,7 +8,9 @@
 // warps shares 8 output features (16 at 9-16 rows, see TILES) and splits K between its
 // warps (chunks of 32, interleaved); the partial sums are added in a fixed order. Every
 // output element is computed the same way whatever B is (batch invariance). K must be a
-// multiple of 8.
+// multiple of 8. With -DSTAGED=1 (gemv.py's `staged`: the large matrices) a warp takes blocks
+// of 4 consecutive chunks instead, and they come through shared memory in whole row segments
+// (see Stage): another order of the sums, so a matrix is staged at every B or never.
 //
 // Epilogues: a block's output features ("slots") need not be consecutive weight rows.
 // Plain stores y. SiluMul gives the first half of the slots gate rows and the second half
@@ -32,6 +34,14 @@
 #endif
 #ifndef DEPTH
 #define DEPTH 8  // chunks a warp loads per pass
+#endif
+#ifndef MIN_BLOCKS  // __launch_bounds__'s minimum blocks an SM (0: none given)
+#define MIN_BLOCKS 0
+#endif
+#if MIN_BLOCKS
+#define SKINNY_BOUNDS __launch_bounds__(WARPS * 32, MIN_BLOCKS)
+#else
+#define SKINNY_BOUNDS __launch_bounds__(WARPS * 32)
 #endif
 #ifndef PRELOAD  // load the first pass's weights before waiting for the previous kernel (gemv.py)
 #define PRELOAD 0
@@ -72,12 +82,69 @@ typedef scalar_t w_t;
 // nvcc unrolls the loops around it more (a common form cost 8B decode graphs ~9 % at 1-16
 // rows on the H200). LOADED: wv already holds the pass's weights (load_weights, before the
 // wait for the previous kernel: see skinny); else each weight load goes with its x load.
+#ifndef STAGED  // weights through shared memory in row segments (see stage_issue); 0: direct loads
+#define STAGED 0
+#endif
+#ifndef STAGES  // STAGED: buffers a warp streams its passes through (1 or 2)
+#define STAGES 2
+#endif
+
+// The s-th chunk of a warp's sum over k (s = 0, 1, ...). STAGED: blocks of 4 consecutive
+// chunks (256 bytes of a row), block j = warp + WARPS m; else chunk warp + WARPS s. Either
+// way the sequence depends on the warp alone (not on DEPTH, TILES or B): batch invariance.
+__device__ __forceinline__ int chunk_of(int warp, int s) {
+    return STAGED ? 4 * (warp + WARPS * (s >> 2)) + (s & 3) : warp + WARPS * s;
+}
+
+// STAGED: a warp's pass (DEPTH / TILES chunks of each of its 8 TILES rows) comes to its
+// DEPTH x 512 bytes of shared memory through cp.async, each copy instruction taking 512
+// bytes made of whole row segments (256 bytes of a row; 128 where a pass holds 2 chunks),
+// then each lane reads its MMA fragments from there. A warp loading 64 bytes from each of 8
+// rows per instruction (the fragments' own layout) streamed ~8 % slower from HBM (H200, read
+// kernels of both patterns: 3.9 against 4.2-4.3 TB/s). Segment sg = b R + r (R = 8 TILES
+// rows, b: the pass's block) sits at sg L, its 16-byte units swizzled by the row's parity
+// (no bank conflicts when lanes of rows g and g + 1 read the same unit).
+template <int TILES>
+struct Stage {
+    static constexpr int D = DEPTH / TILES, LC = D < 4 ? D : 4, L = LC * 64, LPS = L / 16, R = 8 * TILES;
+    __device__ static int swz(int pos, int r) { return pos ^ ((r & 1) << 6); }
+};
+
 template <int TILES, bool CHECKED>
-__device__ __forceinline__ void load_weights(const uint4 *const wrow[TILES], uint4 wv[TILES][DEPTH / TILES], int c0,
-                                             int q, int groups) {
+__device__ __forceinline__ void stage_issue(const uint4 *const *rowp, unsigned char *buf, int warp, int lane, int s0,
+                                            int groups) {
+    using S = Stage<TILES>;
+#pragma unroll
+    for (int i = 0; i < DEPTH; i++) {
+        const int sg = i * (32 / S::LPS) + lane / S::LPS, unit = lane % S::LPS;
+        const int r = sg % S::R, u = (sg / S::R) * S::LC + unit / 4;  // row, chunk of the pass
+        const int k8 = chunk_of(warp, s0 + u) * 4 + (unit & 3);
+        const bool ok = !CHECKED || k8 < groups;
+        cp_async16(buf + S::swz(i * 512 + lane * 16, r), rowp[r] + (ok ? k8 : 0), ok);
+    }
+    cp_async_commit();
+}
+
+template <int TILES>
+__device__ __forceinline__ void stage_read(const unsigned char *buf, uint4 wv[TILES][DEPTH / TILES], int g, int q) {
+    using S = Stage<TILES>;
+#pragma unroll
+    for (int t = 0; t < TILES; t++)
+#pragma unroll
+        for (int u = 0; u < S::D; u++) {
+            const int r = 8 * t + g;
+            const int pos = ((u / S::LC) * S::R + r) * S::L + (u % S::LC) * 64 + q * 16;
+            wv[t][u] = *reinterpret_cast<const uint4 *>(buf + S::swz(pos, r));
+        }
+    __syncwarp();  // the buffer is free for the warp's next pass
+}
+
+template <int TILES, bool CHECKED>
+__device__ __forceinline__ void load_weights(const uint4 *const wrow[TILES], uint4 wv[TILES][DEPTH / TILES], int warp,
+                                             int s0, int q, int groups) {
 #pragma unroll
     for (int u = 0; u < DEPTH / TILES; u++) {
-        const int k8 = (c0 + u * WARPS) * 4 + q;  // this lane's 16-byte group of weights
+        const int k8 = chunk_of(warp, s0 + u) * 4 + q;  // this lane's 16-byte group of weights
         const bool ok = !CHECKED || k8 < groups;
 #pragma unroll
         for (int t = 0; t < TILES; t++) wv[t][u] = ok ? __ldcs(wrow[t] + k8) : make_uint4(0, 0, 0, 0);
@@ -86,7 +153,7 @@ __device__ __forceinline__ void load_weights(const uint4 *const wrow[TILES], uin
 
 template <bool WIDE, int TILES, bool CHECKED, bool LOADED>
 __device__ __forceinline__ void skinny_pass(const uint4 *const wrow[TILES], const uint4 *xrow, const uint4 *xrow2,
-                                            float c[TILES][4], int c0, int q, int groups,
+                                            float c[TILES][4], int warp, int s0, int q, int groups,
                                             uint4 wv[TILES][DEPTH / TILES]) {
     constexpr int D = DEPTH / TILES;
     const uint4 zero = make_uint4(0, 0, 0, 0);
@@ -94,7 +161,7 @@ __device__ __forceinline__ void skinny_pass(const uint4 *const wrow[TILES], cons
     uint4 xv[D][2], yv[D][2];
 #pragma unroll
     for (int u = 0; u < D; u++) {
-        const int k8 = (c0 + u * WARPS) * 4 + q;  // this lane's 16-byte group of weights
+        const int k8 = chunk_of(warp, s0 + u) * 4 + q;  // this lane's 16-byte group of weights
         const bool ok = !CHECKED || k8 < groups;
         if (!LOADED)
 #pragma unroll
@@ -124,7 +191,7 @@ __device__ __forceinline__ void skinny_pass(const uint4 *const wrow[TILES], cons
     uint4 xv[D], yv[D];
 #pragma unroll
     for (int u = 0; u < D; u++) {
-        const int k8 = (c0 + u * WARPS) * 4 + q;  // this lane's 16-byte group of k
+        const int k8 = chunk_of(warp, s0 + u) * 4 + q;  // this lane's 16-byte group of k
         const bool ok = !CHECKED || k8 < groups;
         if (!LOADED)
 #pragma unroll
@@ -334,9 +401,11 @@ __device__ __forceinline__ void skinny(const scalar_t *__restrict__ x, const w_t
         wrow[t] = reinterpret_cast<const uint4 *>(w + (n < N ? n : 0) * K);
     }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    // With PRELOAD the first pass (WARPS * DEPTH / TILES chunks of 64 bytes a row) comes to
-    // registers below, so the L2 is asked for the bytes after it.
-    const int skip = PRELOAD ? min(WARPS * (DEPTH / TILES) * 64, K * (int)sizeof(w_t)) : 0;
+    // With PRELOAD, or staged, the first pass (WARPS * DEPTH / TILES chunks of 64 bytes a row:
+    // the row's first bytes, unless staged passes hold half blocks) comes in below, so the L2
+    // is asked for the bytes after it.
+    const bool first_prefix = STAGED ? DEPTH / TILES >= 4 : PRELOAD;  // the first pass: the rows' first bytes
+    const int skip = first_prefix ? min(WARPS * (DEPTH / TILES) * 64, K * (int)sizeof(w_t)) : 0;
     const int ask = min(prefetch, K * (int)sizeof(w_t) - skip);
     if (ask > 0 && threadIdx.x < 8 * TILES) {
         const long long pn = epi.row(blockIdx.x, threadIdx.x);
@@ -349,15 +418,36 @@ __device__ __forceinline__ void skinny(const scalar_t *__restrict__ x, const w_t
     const int chunks = (groups + 3) >> 2, whole = groups >> 2;
     constexpr int D = DEPTH / TILES;
     uint4 wv[TILES][D];
-    int c0 = warp;
+#if STAGED
+    // Each warp streams its passes through STAGES buffers: with two, the copies of pass p + 1
+    // are in flight while pass p multiplies; with one, they are asked for once pass p is in
+    // registers (see stage_issue).
+    static_assert(STAGES * DEPTH * 512 * WARPS <= 32768, "gemv: staged passes take STAGES x DEPTH <= 8 at 8 warps");
+    __shared__ const uint4 *rowp[8 * TILES];
+    __shared__ __align__(128) unsigned char wstage[WARPS][STAGES][DEPTH * 512];
+    if (threadIdx.x < 8 * TILES) {
+        const long long n = epi.row(blockIdx.x, threadIdx.x);
+        rowp[threadIdx.x] = reinterpret_cast<const uint4 *>(w + (n < N ? n : 0) * K);
+    }
+    __syncthreads();
+    auto issue = [&](int s, int b) {
+        if (chunk_of(warp, s + D - 1) < whole)
+            stage_issue<TILES, false>(rowp, wstage[warp][b], warp, lane, s, groups);
+        else
+            stage_issue<TILES, true>(rowp, wstage[warp][b], warp, lane, s, groups);
+    };
+    issue(0, 0);  // nothing writes the weights: their fetch overlaps the kernel before this one
+#else
+    int s0 = 0;  // the warp's next chunk in its sequence (chunk_of)
 #if PRELOAD
     // The first pass's weights go to registers before the wait: nothing writes them, so
     // their fetch overlaps the end of the kernel before this one.
-    const bool first_whole = c0 + (D - 1) * WARPS < whole;
+    const bool first_whole = chunk_of(warp, D - 1) < whole;
     if (first_whole)
-        load_weights<TILES, false>(wrow, wv, c0, q, groups);
+        load_weights<TILES, false>(wrow, wv, warp, 0, q, groups);
     else
-        load_weights<TILES, true>(wrow, wv, c0, q, groups);
+        load_weights<TILES, true>(wrow, wv, warp, 0, q, groups);
+#endif
 #endif
     PDL_ENTER();
 #if NORM_IN
@@ -372,16 +462,40 @@ __device__ __forceinline__ void skinny(const scalar_t *__restrict__ x, const w_t
     float c[TILES][4];
 #pragma unroll
     for (int t = 0; t < TILES; t++) c[t][0] = c[t][1] = c[t][2] = c[t][3] = 0.0f;
+#if STAGED
+    for (int s = 0, b = 0; chunk_of(warp, s) < chunks; s += D, b ^= STAGES - 1) {
+        const bool next = chunk_of(warp, s + D) < chunks;
+        if (STAGES == 2) {
+            if (next)
+                issue(s + D, b ^ 1);
+            else
+                cp_async_commit();  // an empty group: the wait below still leaves pass s's copies done
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncwarp();
+        stage_read<TILES>(wstage[warp][b], wv, g, q);
+        if (STAGES == 1 && next) issue(s + D, 0);
+        if (chunk_of(warp, s + D - 1) < whole)
+            skinny_pass<WIDE, TILES, false, true>(wrow, xrow, xrow2, c, warp, s, q, groups, wv);
+        else
+            skinny_pass<WIDE, TILES, true, true>(wrow, xrow, xrow2, c, warp, s, q, groups, wv);
+    }
+    cp_async_wait<0>();  // a warp with no chunk still had pass 0 asked for
+#else
 #if PRELOAD
     if (first_whole)
-        skinny_pass<WIDE, TILES, false, true>(wrow, xrow, xrow2, c, c0, q, groups, wv);
-    else if (c0 < chunks)
-        skinny_pass<WIDE, TILES, true, true>(wrow, xrow, xrow2, c, c0, q, groups, wv);
-    c0 += WARPS * D;
+        skinny_pass<WIDE, TILES, false, true>(wrow, xrow, xrow2, c, warp, s0, q, groups, wv);
+    else if (chunk_of(warp, 0) < chunks)
+        skinny_pass<WIDE, TILES, true, true>(wrow, xrow, xrow2, c, warp, s0, q, groups, wv);
+    s0 += D;
 #endif
-    for (; c0 + (D - 1) * WARPS < whole; c0 += WARPS * D)
-        skinny_pass<WIDE, TILES, false, false>(wrow, xrow, xrow2, c, c0, q, groups, wv);
-    for (; c0 < chunks; c0 += WARPS * D) skinny_pass<WIDE, TILES, true, false>(wrow, xrow, xrow2, c, c0, q, groups, wv);
+    for (; chunk_of(warp, s0 + D - 1) < whole; s0 += D)
+        skinny_pass<WIDE, TILES, false, false>(wrow, xrow, xrow2, c, warp, s0, q, groups, wv);
+    for (; chunk_of(warp, s0) < chunks; s0 += D)
+        skinny_pass<WIDE, TILES, true, false>(wrow, xrow, xrow2, c, warp, s0, q, groups, wv);
+#endif
     // sum the warps in order
     __shared__ float part[WARPS][4 * TILES][32];
 #pragma unroll
@@ -420,15 +534,15 @@ __device__ __forceinline__ void skinny(const scalar_t *__restrict__ x, const w_t
         const float *__restrict__ wscale, const float *nres, const float *ndelta, const float *nbias,            \
         const float *nw, float neps, float *nres_out
 #define SKINNY_KERNELS(NAME, EPI, INIT, ...)                                                                     \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32) NAME##_8(SKINNY_PARAMS, __VA_ARGS__) {              \
+    extern "C" __global__ void SKINNY_BOUNDS NAME##_8(SKINNY_PARAMS, __VA_ARGS__) {                                 \
         skinny<false, 1>(x, w, B, N, K, prefetch, wscale, NormIn{nres, ndelta, nbias, nw, neps, nres_out},       \
                          EPI<1> INIT);                                                                           \
     }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32) NAME##_8x2(SKINNY_PARAMS, __VA_ARGS__) {            \
+    extern "C" __global__ void SKINNY_BOUNDS NAME##_8x2(SKINNY_PARAMS, __VA_ARGS__) {                               \
         skinny<false, 2>(x, w, B, N, K, prefetch, wscale, NormIn{nres, ndelta, nbias, nw, neps, nres_out},       \
                          EPI<2> INIT);                                                                           \
     }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32) NAME##_16(SKINNY_PARAMS, __VA_ARGS__) {             \
+    extern "C" __global__ void SKINNY_BOUNDS NAME##_16(SKINNY_PARAMS, __VA_ARGS__) {                                \
         skinny<true, 2>(x, w, B, N, K, prefetch, wscale, NormIn{nres, ndelta, nbias, nw, neps, nres_out},        \
                         EPI<2> INIT);                                                                            \
     }

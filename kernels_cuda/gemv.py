@@ -7,7 +7,8 @@ import dataclasses
 import cupy as cp
 import numpy as np
 
-from ._module import check, check_scalar, f32, i32, i64, launch, module, ptr_or_null, same_scalar, use_bf16
+from ._module import (check, check_scalar, f32, function, i32, i64, launch, module, ptr_or_null, same_scalar, sm_count,
+                      use_bf16)
 from . import rmsnorm
 from .quant import Fp8Matrix
 from .rope import check_rope_args
@@ -36,6 +37,36 @@ PREFETCH_BUDGET = 12 << 20  # bytes of a matrix asked into the L2 while the prev
 # 3 KB rows then miss the first pass, 2.1 -> 2.9 us).
 TWO_TILES_MIN_N = 65536
 TWO_TILES_MIN_N_SHORT = 2048
+# 16-bit matrices below TWO_TILES_MIN_N rows (not LM heads) of at least STAGED_MIN_BYTES, or of at
+# least STAGED_MIN_BYTES_ONE_WAVE whose one-tile grid fits one wave of STAGED_CONFIG's blocks,
+# stream their weights through shared memory in whole row segments (gemv.cu's STAGED): a warp
+# load of 64 bytes from each of 8 rows, the MMA fragments' own layout, read HBM 7-10 % slower
+# than whole row segments (bench/kernels.py --read-patterns). The choice depends on the matrix
+# (and the GPU's SM count) alone, never on the rows of x: the two forms sum over k in different
+# orders, and a matrix must give the same bits at 1-16 rows, fused or not. H200, Llama-3-8B
+# decode graphs at 575 keys against direct loads everywhere (.., one process): with gate/up,
+# down and o staged B=1 4.470 -> 4.092 ms, B=8 4.687 -> 4.365, B=16 5.598 -> 5.473; the QKV
+# product (768 blocks, two waves staged) stays direct: staging it too cost 1.5-4 %.
+STAGED_MIN_BYTES = 96 << 20
+STAGED_MIN_BYTES_ONE_WAVE = 16 << 20
+# 1-8 rows: two buffers a warp; 4 blocks an SM (<= 64 registers: the 8B down product's 512
+# blocks then take one wave, where 68 registers left 3 blocks an SM and two waves)
+STAGED_CONFIG = {"WARPS": 8, "DEPTH": 4, "STAGES": 2, "MIN_BLOCKS": 4}
+STAGED_CONFIG_WIDE = {"WARPS": 8, "DEPTH": 8, "STAGES": 1}  # 9-16 rows (two tiles): one buffer of longer passes
+
+
+def staged(n: int, row_bytes: int, fp8: bool) -> bool:
+    """Whether a matrix of n rows of row_bytes streams through shared memory (gemv.cu's STAGED)."""
+    if fp8 or n >= TWO_TILES_MIN_N:
+        return False
+    size = n * row_bytes
+    return size >= STAGED_MIN_BYTES or (size >= STAGED_MIN_BYTES_ONE_WAVE
+                                        and -(-n // 8) <= STAGED_CONFIG["MIN_BLOCKS"] * sm_count())
+
+
+def staged_config(rows: int) -> dict:
+    """gemv.cu's shape constants for a staged matrix at `rows` rows (WARPS fixed: it sets the sum order)."""
+    return STAGED_CONFIG if rows <= 8 else STAGED_CONFIG_WIDE
 
 
 def default_config(rows: int) -> dict:
@@ -133,19 +164,23 @@ def _launch(name: str, x: cp.ndarray, w, extra: tuple, pdl: bool, config: dict |
     if K % group:
         raise ValueError(f"gemv: K={K} must be a multiple of {group}")
     check(x, "x", x.dtype)
-    cfg = config or default_config(B)
-    row_bytes = K * w.itemsize
-    prefetch = min(row_bytes, PREFETCH_BUDGET // N) // 16 * 16  # the first bytes of every row
     fp8 = scale is not None
+    row_bytes = K * w.itemsize
+    if staged(N, row_bytes, fp8):
+        cfg = staged_config(B)
+        defines["STAGED"] = 1
+    else:
+        cfg = config or default_config(B)
+    prefetch = min(row_bytes, PREFETCH_BUDGET // N) // 16 * 16  # the first bytes of every row
     n_tiles = tiles(B, fp8, row_bytes, N, cfg)
     suffix = "16" if B > 8 else "8x2" if n_tiles == 2 else "8"
-    pre = int(preload(row_bytes, cfg, n_tiles))
+    pre = int(preload(row_bytes, cfg, n_tiles) and "STAGED" not in defines)
     if norm is not None:
         if x.nbytes > 48 << 10:
             raise ValueError(f"gemv: a folded norm keeps the rows in shared memory, {x.nbytes} bytes > 48 KB")
         defines.update(NORM_IN=1, NORM_THREADS=rmsnorm.THREADS)
-    kernel = module("gemv", USE_BF16=use_bf16(x), W_FP8=int(fp8), PRELOAD=pre, **cfg,
-                    **defines).get_function(f"{name}_{suffix}")
+    kernel = function(module("gemv", USE_BF16=use_bf16(x), W_FP8=int(fp8), PRELOAD=pre, **cfg, **defines),
+                      f"{name}_{suffix}", x.nbytes if norm is not None else 0)
     grid = -(-N // (8 * n_tiles))
     launch(kernel, (grid,), (32 * cfg["WARPS"],), (x, w, i32(B), i32(N), i32(K), i32(prefetch), ptr_or_null(scale),
                                                    *(NO_NORM if norm is None else norm.args(B, K)), *extra),

@@ -30,7 +30,8 @@ VARIANTS = {"flash_decode": [{"HEAD_DIM": 64, "GROUP": 3}, {"HEAD_DIM": 128, "GR
             "rmsnorm": [{}, {"QUANT_OUT": 1}, {"QUANT_OUT": 1, "NORM_VEC": 8}],
             "gemv": [{}, {"HEAD_DIM": 64, "KV_FP8": 1}, {"DEPTH": 4}, {"W_FP8": 1}, {"W_FP8": 1, "DEPTH": 4},
                      {"PRELOAD": 1}, {"PRELOAD": 1, "W_FP8": 1}, {"NORM_IN": 1, "HEAD_DIM": 64},
-                     {"NORM_IN": 1, "W_FP8": 1, "PRELOAD": 1}],
+                     {"NORM_IN": 1, "W_FP8": 1, "PRELOAD": 1}, {"STAGED": 1, "DEPTH": 4, "MIN_BLOCKS": 4},
+                     {"STAGED": 1, "DEPTH": 8, "STAGES": 1, "HEAD_DIM": 64, "KV_FP8": 1}],
             "read_patterns": [{"PATTERN": 0, "DEPTH": 8}, {"PATTERN": 3, "DEPTH": 4}, {"PATTERN": 3, "DEPTH": 8}]}
 FP8_ONLY = {"quant"}  # families that are all e4m3
 

@@ -210,6 +210,48 @@ def test_gemv_configs(config, B):
         np.testing.assert_allclose(cp.asnumpy(out), ref, rtol=1e-4, atol=2e-3 * np.sqrt(K / 264))
 
 
+def test_gemv_staged_matrices(monkeypatch):
+    """Which matrices stream through shared memory on a 132-SM GPU: Llama-3-8B's gate/up, down
+    and o (one wave of 512 blocks), not its QKV (768 blocks), LM head, e4m3 matrices, or any
+    SmolLM2 matrix (all under 16 MB)."""
+    import kernels_cuda.gemv as gv
+    monkeypatch.setattr(gv, "sm_count", lambda: 132)
+    llama = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+             "lm_head": (128256, 4096)}
+    assert {m for m, (n, k) in llama.items() if gv.staged(n, 2 * k, False)} == {"o", "gate_up", "down"}
+    assert not any(gv.staged(n, k, True) for n, k in llama.values())
+    smollm2 = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
+    assert not any(gv.staged(n, 2 * k, False) for n, k in smollm2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N", [77, 2048])
+def test_gemv_staged(dtype, N, monkeypatch):
+    """Weights through shared memory in row segments (gemv.staged, forced here for small
+    matrices): right against float64 on K with partial blocks and passes, the same bits at
+    1-16 rows (both kernels and tile counts), and fused SiLU * up as gemv then silu_mul."""
+    import kernels_cuda.gemv as gv
+    from kernels_cuda.activation import silu_mul
+    monkeypatch.setattr(gv, "STAGED_MIN_BYTES", 1)
+    assert gv.staged(N, 528, False) and not gv.staged(N, 528, True) and not gv.staged(gv.TWO_TILES_MIN_N, 528, False)
+    for K in (264, 520, 4104):
+        x = rng.standard_normal((16, K)).astype(np.float32)
+        w = rng.standard_normal((N, K)).astype(np.float32) * 0.2
+        xd, wd = to_dev(x, dtype), to_dev(w, dtype)
+        together = cp.asnumpy(gv.gemv(xd, wd))
+        ref = rounded(x, dtype).astype(np.float64) @ rounded(w, dtype).T.astype(np.float64)
+        np.testing.assert_allclose(together, ref, rtol=1e-4, atol=4e-4 * np.sqrt(K / 264))
+        for b in (0, 5, 15):
+            np.testing.assert_array_equal(cp.asnumpy(gv.gemv(xd[b:b + 1], wd))[0], together[b])
+        for n in (4, 5, 8):
+            np.testing.assert_array_equal(cp.asnumpy(gv.gemv(xd[:n], wd)), together[:n])
+        if N % 16 == 0:
+            for n in (1, 12):
+                fused = gv.gemv_silu(xd[:n], wd, cp.zeros((n, N // 2), xd.dtype))
+                separate = silu_mul(gv.gemv(xd[:n], wd), out_dtype=xd.dtype)
+                np.testing.assert_array_equal(cp.asnumpy(fused), cp.asnumpy(separate))
+
+
 @pytest.mark.parametrize("wfp8", [False, True], ids=["w16", "w8"])
 def test_gemv_weights_loaded_before_the_wait(wfp8, monkeypatch):
     """A block's first pass of weights loaded before it waits for the previous kernel
