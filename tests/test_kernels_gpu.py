@@ -231,7 +231,9 @@ def test_gemv_staged(dtype, N, monkeypatch):
     matrices): right against float64 on K with partial blocks and passes, the same bits at
     1-16 rows (both kernels and tile counts), and fused SiLU * up as gemv then silu_mul."""
     import kernels_cuda.gemv as gv
+    from kernels_cuda import rmsnorm
     from kernels_cuda.activation import silu_mul
+    from kernels_cuda.rmsnorm import rms_norm
     monkeypatch.setattr(gv, "STAGED_MIN_BYTES", 1)
     assert gv.staged(N, 528, False) and not gv.staged(N, 528, True) and not gv.staged(gv.TWO_TILES_MIN_N, 528, False)
     for K in (264, 520, 4104):
@@ -250,6 +252,13 @@ def test_gemv_staged(dtype, N, monkeypatch):
                 fused = gv.gemv_silu(xd[:n], wd, cp.zeros((n, N // 2), xd.dtype))
                 separate = silu_mul(gv.gemv(xd[:n], wd), out_dtype=xd.dtype)
                 np.testing.assert_array_equal(cp.asnumpy(fused), cp.asnumpy(separate))
+        if K <= 4 * rmsnorm.THREADS:  # a folded norm beside the staged buffers (its rows in the 7 KB left)
+            for n in (1, 6):
+                res = cp.asarray(rng.standard_normal((n, K)).astype(np.float32))
+                weight = cp.asarray(rng.uniform(0.5, 1.5, K).astype(np.float32))
+                normed = rms_norm(res, weight, 1e-5, out=cp.zeros((n, K), xd.dtype))
+                folded = gv.gemv(cp.zeros_like(normed), wd, norm=gv.NormIn(res, weight, 1e-5))
+                np.testing.assert_array_equal(cp.asnumpy(folded), cp.asnumpy(gv.gemv(normed, wd)))
 
 
 @pytest.mark.parametrize("wfp8", [False, True], ids=["w16", "w8"])
