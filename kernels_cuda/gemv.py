@@ -44,9 +44,10 @@ TWO_TILES_MIN_N_SHORT = 2048
 # than whole row segments (bench/kernels.py --read-patterns). The choice depends on the matrix
 # (and the GPU's SM count) alone, never on the rows of x: the two forms sum over k in different
 # orders, and a matrix must give the same bits at 1-16 rows, fused or not. H200, Llama-3-8B
-# decode graphs at 575 keys against direct loads everywhere (.., one process): with gate/up,
-# down and o staged B=1 4.470 -> 4.092 ms, B=8 4.687 -> 4.365, B=16 5.598 -> 5.473; the QKV
-# product (768 blocks, two waves staged) stays direct: staging it too cost 1.5-4 %.
+# decode graphs at 575 keys, both forms captured on one runner and timed in turn
+# (docs/performance.md, fourteenth session): gate/up, down and o staged, B=1 4.470 -> 4.092 ms,
+# B=8 4.687 -> 4.365, B=16 5.598 -> 5.473; the QKV product (768 blocks, two waves when
+# staged) stays direct: staging it too cost 1.5-4 %.
 STAGED_MIN_BYTES = 96 << 20
 STAGED_MIN_BYTES_ONE_WAVE = 16 << 20
 # 1-8 rows: two buffers a warp; 4 blocks an SM (<= 64 registers: the 8B down product's 512
