@@ -188,7 +188,14 @@ def fp8_table(shape: dict, batches: list[int]) -> list[str]:
 
 
 SWEEP = [{"WARPS": 8, "DEPTH": 8}, {"WARPS": 8, "DEPTH": 4}, {"WARPS": 16, "DEPTH": 4}, {"WARPS": 4, "DEPTH": 8},
-         {"WARPS": 16, "DEPTH": 8}, {"WARPS": 4, "DEPTH": 4}, {"WARPS": 8, "DEPTH": 2}]  # gemv.cu shape constants
+         {"WARPS": 16, "DEPTH": 8}, {"WARPS": 4, "DEPTH": 4}, {"WARPS": 8, "DEPTH": 2},
+         {"STAGED": 1, "WARPS": 8, "DEPTH": 4, "STAGES": 2, "MIN_BLOCKS": 4},
+         {"STAGED": 1, "WARPS": 8, "DEPTH": 8, "STAGES": 1}]  # gemv.cu shape constants (gemv.STAGED_CONFIG*: staged)
+
+
+def sweep_label(config: dict) -> str:
+    """A SWEEP config's column name: W8,D4 (direct) or staged,W8,D4,S2,M4."""
+    return ",".join("staged" if key == "STAGED" else f"{key[0]}{val}" for key, val in config.items())
 
 
 def gemv_sweep(shape: dict, batches: list[int], fp8: bool = False) -> list[str]:
@@ -199,8 +206,8 @@ def gemv_sweep(shape: dict, batches: list[int], fp8: bool = False) -> list[str]:
     from kernels_cuda.gemv import gemv
     from kernels_cuda.quant import quantize_matrix
     mats = step_matrices(shape)
-    candidates = [("cublas", gemm)] + [(",".join(f"{key[0]}{val}" for key, val in c.items()),
-                                         lambda x_, w_, o_, c=c: gemv(x_, w_, o_, config=c)) for c in SWEEP]
+    candidates = [("cublas", gemm)] + [(sweep_label(c), lambda x_, w_, o_, c=c: gemv(x_, w_, o_, config=c))
+                                        for c in SWEEP]
     rows = []
     for b in batches:
         totals: dict[str, float] = {}
@@ -213,6 +220,8 @@ def gemv_sweep(shape: dict, batches: list[int], fp8: bool = False) -> list[str]:
             w8 = [quantize_matrix(w) for w in ws] if fp8 and name != "lm_head" else None
             for label, fn in candidates:
                 wl = w8 if w8 is not None and label != "cublas" else ws
+                if wl is w8 and label.startswith("staged"):
+                    continue  # the staged form takes 16-bit weights
                 fn(x, wl[0], out)
                 err = float(cp.abs(out - ref).max() / (cp.abs(ref).max() + 1e-9))
                 t = time_rotating(fn, x, wl, out)

@@ -52,8 +52,8 @@ STAGED_MIN_BYTES = 96 << 20
 STAGED_MIN_BYTES_ONE_WAVE = 16 << 20
 # 1-8 rows: two buffers a warp; 4 blocks an SM (<= 64 registers: the 8B down product's 512
 # blocks then take one wave, where 68 registers left 3 blocks an SM and two waves)
-STAGED_CONFIG = {"WARPS": 8, "DEPTH": 4, "STAGES": 2, "MIN_BLOCKS": 4}
-STAGED_CONFIG_WIDE = {"WARPS": 8, "DEPTH": 8, "STAGES": 1}  # 9-16 rows (two tiles): one buffer of longer passes
+STAGED_CONFIG = {"STAGED": 1, "WARPS": 8, "DEPTH": 4, "STAGES": 2, "MIN_BLOCKS": 4}
+STAGED_CONFIG_WIDE = {"STAGED": 1, "WARPS": 8, "DEPTH": 8, "STAGES": 1}  # 9-16 rows (two tiles): one buffer of longer passes
 
 
 def staged(n: int, row_bytes: int, fp8: bool) -> bool:
@@ -167,17 +167,17 @@ def _launch(name: str, x: cp.ndarray, w, extra: tuple, pdl: bool, config: dict |
     check(x, "x", x.dtype)
     fp8 = scale is not None
     row_bytes = K * w.itemsize
-    if staged(N, row_bytes, fp8):
-        cfg = staged_config(B)
-        defines["STAGED"] = 1
-    else:
-        cfg = config or default_config(B)
+    # an explicit config (benchmarks, tests) is taken as it is, staged or not (its STAGED key)
+    cfg = config or (staged_config(B) if staged(N, row_bytes, fp8) else default_config(B))
+    in_stages = bool(cfg.get("STAGED"))
+    if in_stages and fp8:
+        raise ValueError("gemv: the staged form takes 16-bit weights")
     prefetch = min(row_bytes, PREFETCH_BUDGET // N) // 16 * 16  # the first bytes of every row
     n_tiles = tiles(B, fp8, row_bytes, N, cfg)
     suffix = "16" if B > 8 else "8x2" if n_tiles == 2 else "8"
-    pre = int(preload(row_bytes, cfg, n_tiles) and "STAGED" not in defines)
+    pre = int(preload(row_bytes, cfg, n_tiles) and not in_stages)
     if norm is not None:
-        room = (7 if "STAGED" in defines else 48) << 10  # 48 KB a block, less the staged form's ~40 KB
+        room = (7 if in_stages else 48) << 10  # 48 KB a block, less the staged form's ~40 KB
         if x.nbytes > room:
             raise ValueError(f"gemv: a folded norm keeps the rows in shared memory, {x.nbytes} bytes > {room >> 10} KB")
         defines.update(NORM_IN=1, NORM_THREADS=rmsnorm.THREADS)
@@ -193,7 +193,8 @@ def gemv(x: cp.ndarray, w, out: cp.ndarray | None = None, pdl: bool = False,
          config: dict | None = None, norm: NormIn | None = None) -> cp.ndarray:
     """out (B, N) float32 = x (B, K) @ w (N, K)^T; B <= 16, K a multiple of 8, 16-bit operands
     (or w an Fp8Matrix, K a multiple of 16). norm: x's rows are made from it (NormIn; x
-    gives their shape and type and is neither read nor written).
+    gives their shape and type and is neither read nor written). config: gemv.cu's shape
+    constants (staged with a STAGED key), instead of the ones chosen for the matrix and B.
 
     Each output element is computed the same way whatever B is (batch invariance).
     """
