@@ -21,6 +21,8 @@
 // -DHEAD_DIM (multiple of 16; of 32 with KV_FP8), -DGROUP (query heads per KV head, <= 16),
 // -DCHUNK (the shortest split, a multiple of KEYS), -DWHOLE (rows of at most that many keys
 // take one split: a short row's serial tiles cost less than the partials and the combine),
+// -DSHORT (rows of at most that many keys, past WHOLE, take splits of KEYS keys: a short row of a
+// small step spreads over more blocks; the host keeps SHORT / KEYS within the grid's splits),
 // -DMIN_BLOCKS (launch bounds), -DKV_FP8 (e4m3 cache: the byte tiles stay as they arrive and
 // each lane converts its own fragments, with keys and dims permuted inside a tile so that a
 // lane reads whole 32-bit words).
@@ -40,6 +42,9 @@
 #define THREADS 128
 #ifndef WHOLE  // a row of at most WHOLE keys takes them in one split, however short CHUNK is
 #define WHOLE 0
+#endif
+#ifndef SHORT  // a row of at most SHORT keys takes splits of KEYS keys, however long CHUNK is (0: none)
+#define SHORT 0
 #endif
 #ifndef MIN_BLOCKS  // blocks an SM to fit (flash_decode.py: 4 for large fp8 grids, 128 registers a thread)
 #define MIN_BLOCKS 1
@@ -90,6 +95,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_decode_c
     const int first = window_start(kv_len, window);
     const int span = kv_len - first;
     int chunk = max(CHUNK, (span + max_splits * KEYS - 1) / (max_splits * KEYS) * KEYS);
+    if (span <= SHORT) chunk = KEYS;
     if (span <= WHOLE) chunk = max(chunk, (span + KEYS - 1) / KEYS * KEYS);  // one split: no partials
     const int start = first + split * chunk;
     const int end = min(kv_len, start + chunk);

@@ -33,7 +33,7 @@ def smem_bytes(head_dim: int, kv_fp8: bool = False) -> int:
 def flash_decode(q: cp.ndarray, k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, kv_lens: cp.ndarray,
                  layer_offset: int, num_kv_heads: int, part_o: cp.ndarray, part_ml: cp.ndarray,
                  counters: cp.ndarray, out: cp.ndarray, scale: float, chunk: int = 256, window: int = 0,
-                 pdl: bool = False, kv_fp8: bool = False, whole: int = 0) -> cp.ndarray:
+                 pdl: bool = False, kv_fp8: bool = False, whole: int = 0, short: int = 0) -> cp.ndarray:
     """out (B, H, D) = softmax(q k^T * scale) v over each row's kv_lens[b] cached keys.
 
     part_o (B, H, S, D) float32 and part_ml (B, H, S, 2) float32 are the split partials;
@@ -42,6 +42,7 @@ def flash_decode(q: cp.ndarray, k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, kv_lens:
     counters (B, num_kv_heads) int32 must be zero; the kernel leaves them zero.
     kv_fp8: the cache holds float8 e4m3 (one byte an element) instead of q's 16-bit type.
     whole: a row of at most this many keys (after the window) takes them all in one split.
+    short: a longer row of at most this many keys takes splits of KEYS keys (at most S of them).
     """
     if q.ndim != 3:
         raise ValueError(f"q: expected (B, heads, head_dim), got {q.shape}")
@@ -56,6 +57,8 @@ def flash_decode(q: cp.ndarray, k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, kv_lens:
         raise ValueError(f"{H // num_kv_heads} query heads per KV head: at most 16")
     if chunk % KEYS:
         raise ValueError(f"chunk {chunk} must be a multiple of {KEYS}")
+    if short < 0:
+        raise ValueError(f"short {short} must be >= 0")
     S = part_o.shape[2] if part_o.ndim == 4 else -1
     check(part_o, "part_o", np.float32, (B, H, S, D))
     check(part_ml, "part_ml", np.float32, (B, H, S, 2))
@@ -63,11 +66,13 @@ def flash_decode(q: cp.ndarray, k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, kv_lens:
         check(arr, name, dt, (B,))
     if not 1 <= S <= MAX_SPLITS:
         raise ValueError(f"{S} splits: 1 to {MAX_SPLITS}")
+    if short > S * KEYS:
+        raise ValueError(f"short {short}: {S} splits of {KEYS} keys cover at most {S * KEYS}")
     check(counters, "counters", np.int32, (B, num_kv_heads))
     check(out, "out", q.dtype, (B, H, D))
     group = H // num_kv_heads
     mod = module("flash_decode", USE_BF16=use_bf16(q), HEAD_DIM=D, GROUP=group, CHUNK=chunk, KV_FP8=int(kv_fp8),
-                 WHOLE=whole, MIN_BLOCKS=min_blocks(B * num_kv_heads * S, D, group, kv_fp8))
+                 WHOLE=whole, SHORT=short, MIN_BLOCKS=min_blocks(B * num_kv_heads * S, D, group, kv_fp8))
     smem = smem_bytes(D, kv_fp8)
     launch(function(mod, "flash_decode_chunk", smem), (S, num_kv_heads, B), (CHUNK_THREADS,),
            (q, k_ptrs, v_ptrs, kv_lens, i64(layer_offset), part_o, part_ml, counters, out, i32(H), i32(num_kv_heads),

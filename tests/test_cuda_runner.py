@@ -139,15 +139,12 @@ def test_tiny_fp8_kv_cache_needs_head_dim_multiple_of_32(tmp_path):
         cuda_runner(model, max_model_len=REGION, kv_dtype="fp8")
 
 
-def test_long_context_uses_many_splits(tmp_path):
-    """A 4500-token prompt prefilled in chunks (each attending to the cached prefix),
-    then decode steps through the graph with ~18 flash-decode splits."""
-    path = build_tiny_model(tmp_path, "llama", seed=7)
-    model = load_model(str(path), with_tokenizer=False)
-    n = 4500
-    ref_runner = NumpyRunner(model.config, model.weights, num_kv_slots=8192, max_model_len=8192, progress=False)
-    gpu = cuda_runner(model, max_model_len=8192)
-    assert gpu.max_splits >= 16
+def _prefill_then_decode(gpu, model, n: int, max_model_len: int) -> np.ndarray:
+    """Cosines of the CUDA runner's logits to the NumPy runner's: an n-token prompt
+    prefilled in chunks of 2,000 (each attending to the cached prefix), then three decode
+    steps of one row through the graph."""
+    ref_runner = NumpyRunner(model.config, model.weights, num_kv_slots=max_model_len, max_model_len=max_model_len,
+                             progress=False)
     ids = np.random.default_rng(1).integers(0, VOCAB, n).tolist()
     ref, got = [], []
     for start in range(0, n, 2000):  # chunked prefill, as the scheduler does it
@@ -160,7 +157,26 @@ def test_long_context_uses_many_splits(tmp_path):
         ref.append(ref_runner.forward(out))
         gpu.execute(out)
         got.append(cp.asnumpy(gpu.buffers.logits[:1]))
-    cos = cosines(np.concatenate(got), np.concatenate(ref))
+    return cosines(np.concatenate(got), np.concatenate(ref))
+
+
+def test_long_context_uses_many_splits(tmp_path):
+    """A 4500-token prompt, then decode steps through the graph with ~18 flash-decode splits."""
+    model = load_model(str(build_tiny_model(tmp_path, "llama", seed=7)), with_tokenizer=False)
+    gpu = cuda_runner(model, max_model_len=8192)
+    assert gpu.max_splits >= 16
+    cos = _prefill_then_decode(gpu, model, 4500, 8192)
+    assert cos.min() >= 0.999, cos
+
+
+def test_short_rows_of_one_row_steps_take_64_key_splits(tmp_path):
+    """At B=1 a row of 257 to `short` keys (the split plan's fourth field) is cut into splits
+    of 64 keys: a 600-token prompt decodes in 10 of them, through the graph."""
+    model = load_model(str(build_tiny_model(tmp_path, "llama", seed=7)), with_tokenizer=False)
+    gpu = cuda_runner(model, max_model_len=2048)
+    _, splits, whole, short = gpu.splits[1]
+    assert whole == 256 and short >= 640 and splits * 64 >= short
+    cos = _prefill_then_decode(gpu, model, 600, 2048)
     assert cos.min() >= 0.999, cos
 
 

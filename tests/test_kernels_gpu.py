@@ -592,19 +592,21 @@ def kv_cache_rows(kv8: bool, rows: int, region: int, kv_heads: int, head_dim: in
 
 
 @pytest.mark.parametrize("kv8", [False, True], ids=["kv16", "kv8"])
-@pytest.mark.parametrize("splits,chunk,window,heads,min_blocks,whole", [
-    (6, 128, 0, (8, 2), 1, 0), (2, 128, 0, (8, 2), 1, 0), (1, 256, 0, (8, 2), 1, 0), (3, 128, 300, (8, 2), 1, 0),
-    (2, 128, 0, (16, 1), 1, 0), (1, 256, 0, (8, 2), 4, 0), (3, 128, 300, (8, 2), 4, 0), (6, 128, 0, (8, 2), 1, 256),
-    (3, 128, 300, (8, 2), 1, 320)])
+@pytest.mark.parametrize("splits,chunk,window,heads,min_blocks,whole,short", [
+    (6, 128, 0, (8, 2), 1, 0, 0), (2, 128, 0, (8, 2), 1, 0, 0), (1, 256, 0, (8, 2), 1, 0, 0),
+    (3, 128, 300, (8, 2), 1, 0, 0), (2, 128, 0, (16, 1), 1, 0, 0), (1, 256, 0, (8, 2), 4, 0, 0),
+    (3, 128, 300, (8, 2), 4, 0, 0), (6, 128, 0, (8, 2), 1, 256, 0), (3, 128, 300, (8, 2), 1, 320, 0),
+    (16, 128, 0, (8, 2), 1, 256, 1024), (10, 128, 0, (8, 2), 1, 0, 640), (8, 128, 300, (8, 2), 1, 0, 512)])
 @pytest.mark.parametrize("D", [64, 128])
-def test_flash_decode(kv8, splits, chunk, window, heads, min_blocks, whole, D, monkeypatch):
+def test_flash_decode(kv8, splits, chunk, window, heads, min_blocks, whole, short, D, monkeypatch):
     """Split-KV decode attention against softmax(q k^T * scale) v in float64: rows of various
     lengths (0: a padding row) in `splits` splits of `chunk` keys, or longer ones where those do
     not cover a row (2 splits for 1,000 keys: two of 512); `window`: sliding-window attention;
     16 query heads a KV head (all 16 rows of the tile live); min_blocks 4: the launch bounds of
     large fp8 grids, forced on this small one; `whole`: rows of at most that many keys (after
-    the window) take one split, which writes no partials. Head dims 64 (SmolLM2) and 128 (the
-    8B shapes)."""
+    the window) take one split, which writes no partials; `short`: longer rows of at most that
+    many keys take splits of 64 (1,000 keys in 16, 640 in 10). Head dims 64 (SmolLM2) and 128
+    (the 8B shapes)."""
     import kernels_cuda.flash_decode as fd
     from kernels_cuda.flash_decode import flash_decode
     if min_blocks != 1:
@@ -622,11 +624,13 @@ def test_flash_decode(kv8, splits, chunk, window, heads, min_blocks, whole, D, m
     scale = D ** -0.5
     for _ in range(2):  # the counters are back to zero for the next launch
         flash_decode(q_dev, kp, vp, cp.asarray(lens), 0, KVH, part_o, part_ml, counters, out, scale, chunk=chunk,
-                     window=window, kv_fp8=kv8, whole=whole)
+                     window=window, kv_fp8=kv8, whole=whole, short=short)
     assert not counters.any()
 
     def split_count(span: int) -> int:  # the kernel's plan for a row
         length = max(chunk, -(-span // (splits * 64)) * 64)
+        if span <= short:
+            length = 64
         if span <= whole:
             length = max(length, -(-span // 64) * 64)
         return -(-span // length)

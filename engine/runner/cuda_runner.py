@@ -26,6 +26,7 @@ import numpy as np
 
 from kernels_cuda.activation import silu_mul
 from kernels_cuda.embedding import embedding
+from kernels_cuda.flash_decode import KEYS as FLASH_KEYS
 from kernels_cuda.flash_decode import MAX_SPLITS as FLASH_MAX_SPLITS
 from kernels_cuda.flash_decode import flash_decode
 from kernels_cuda.flash_prefill import flash_prefill, tiles
@@ -68,11 +69,15 @@ FOLD_NORM_MAX_ROWS = 1
 
 # Steps of up to 16 rows take a row of at most this many keys in one split (see decode_split_plan).
 WHOLE_KEYS = 256
+# ... and a longer row in splits of FLASH_KEYS keys while they number at most this many and the
+# step's blocks fit the SMs once (decode_split_plan).
+SHORT_SPLITS = 12
 
 
-def decode_split_plan(rows: int, kv_heads: int, max_model_len: int,
-                      resident_blocks: int) -> tuple[int, int, int]:
-    """(shortest split in keys, splits a row at most, keys a row takes in one split) of the
+def decode_split_plan(rows: int, kv_heads: int, max_model_len: int, resident_blocks: int,
+                      sms: int) -> tuple[int, int, int, int]:
+    """(shortest split in keys, splits a row at most, keys a row takes in one split, keys up to
+    which a row takes splits of FLASH_KEYS) of the
     flash-decode grid for a step of `rows` rows. Shortest split: 128 keys up to 16 rows, so
     that a short context still spreads over several blocks (B=1, 8 KV heads, 512 keys: 32
     blocks rather than 16 of 256), 256 from 32 rows on. Splits: as many as fill the GPU's
@@ -87,11 +92,22 @@ def decode_split_plan(rows: int, kv_heads: int, max_model_len: int,
     at 160 keys: B=1 0.558 -> 0.500 ms a step, B=8 0.606 -> 0.556; Llama-3-8B at 256 keys:
     B=1 4.748 -> 4.706. SmolLM2 at 257 keys gained from one split of up to 384 too, 0.565
     -> 0.535, but one of 512 keys lost, 0.556 -> 0.598, and 384 was not measured on 8B).
+    Past WHOLE_KEYS, a row of up to SHORT_SPLITS x FLASH_KEYS keys takes splits of FLASH_KEYS
+    where the step's rows x KV heads x that many splits fit the SMs once (8B: B=1, 768 keys;
+    SmolLM2: up to 8 rows): more blocks for a short row (H200 decode graphs against 128-key
+    splits, one process: 8B B=1 at 575 keys 4.178 -> 4.124 ms, fp8 K/V 4.166 -> 4.130;
+    SmolLM2 at 511 keys B=1 / 2 / 4 0.462 / 0.537 / 0.566 -> 0.454 / 0.530 / 0.550; 16 splits
+    were worse for SmolLM2 at 1,000 keys, 0.487 -> 0.490, hence 12).
     """
     shortest = 128 if rows <= 16 else 256
     fill = -(-resident_blocks // (rows * kv_heads))
-    return (shortest, max(1, min(FLASH_MAX_SPLITS, -(-max_model_len // shortest), fill)),
-            WHOLE_KEYS if rows <= 16 else 0)
+    splits = max(1, min(FLASH_MAX_SPLITS, -(-max_model_len // shortest), fill))
+    if rows > 16:
+        return shortest, splits, 0, 0
+    n = min(SHORT_SPLITS, sms // (rows * kv_heads), -(-max_model_len // FLASH_KEYS))
+    if n * FLASH_KEYS <= WHOLE_KEYS:
+        return shortest, splits, WHOLE_KEYS, 0
+    return shortest, max(splits, n), WHOLE_KEYS, n * FLASH_KEYS
 
 
 def bucket_for(n: int) -> int:
@@ -297,10 +313,10 @@ class CudaRunner:
         resident = 4 * sm_count()
         self.splits = {}
         for bucket in BUCKETS:
-            self.splits[bucket] = decode_split_plan(bucket, cfg.num_kv_heads, self.max_model_len, resident)
+            self.splits[bucket] = decode_split_plan(bucket, cfg.num_kv_heads, self.max_model_len, resident, sm_count())
             if bucket >= self.rows:
                 break
-        self.max_splits = max(s for _, s, _ in self.splits.values())
+        self.max_splits = max(plan[1] for plan in self.splits.values())
 
         with self.stream:
             given = isinstance(weights, ModelWeights)
@@ -397,7 +413,7 @@ class CudaRunner:
         cfg, R, A = self.config, self.rows, self.max_tokens
         H, D, V = cfg.num_heads, cfg.head_dim, cfg.vocab_size
         s = self.scalar
-        parts = max(min(bucket, R) * H * splits for bucket, (_, splits, _) in self.splits.items())
+        parts = max(min(bucket, R) * H * plan[1] for bucket, plan in self.splits.items())
         fields = {
             "input_ids": (np.int32, ()), "positions": (np.int32, ()), "kv_lens": (np.int32, ()),
             "k_ptrs": (np.int64, ()), "v_ptrs": (np.int64, ()),
@@ -626,13 +642,13 @@ class CudaRunner:
                           offset: int) -> None:
         """Split-KV attention of n one-token rows, with the split plan of their bucket."""
         cfg, b = self.config, self.buffers
-        chunk, splits, whole = self.splits[bucket_for(n)]
+        chunk, splits, whole, short = self.splits[bucket_for(n)]
         H, D = cfg.num_heads, cfg.head_dim
         part_o = b.part_o[:n * H * splits * D].reshape(n, H, splits, D)
         part_ml = b.part_ml[:n * H * splits * 2].reshape(n, H, splits, 2)
         flash_decode(q, k_ptrs, v_ptrs, kv_lens, offset, cfg.num_kv_heads, part_o, part_ml, b.attn_counters[:n],
                      b.attn_out[:n], cfg.softmax_scale, chunk, cfg.sliding_window or 0, pdl=self._launch_pdl,
-                     kv_fp8=self.kv_fp8, whole=whole)
+                     kv_fp8=self.kv_fp8, whole=whole, short=short)
 
     def _sample(self, n: int) -> None:
         b, d = self.buffers, self.buffers.inputs.dev
