@@ -133,6 +133,27 @@ def test_tiny_models_match_the_numpy_runner(tmp_path, name, kv_dtype, quant):
         assert cos.min() >= 0.999 and agree >= 0.99
 
 
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_mixed_step_attention_on_two_streams_gives_the_same_bits(tmp_path, kv_dtype):
+    """A step of decode rows and prompts runs the prompts' attention on a side stream beside
+    the decode rows' (overlap_attention): the same logits, bit for bit, as one after the other."""
+    model = load_model(str(build_tiny_model(tmp_path, "llama_hd64", seed=5)), with_tokenizer=False)
+    gpu = cuda_runner(model, max_model_len=REGION, kv_dtype=kv_dtype)
+    r = np.random.default_rng(4)
+    prompts = [r.integers(0, VOCAB, n).tolist() for n in (40, 70)]
+    gpu.forward(prefill_step(prompts))
+    later = [r.integers(0, VOCAB, n).tolist() for n in (90, 3)]
+    # two decode rows (sequences 0 and 1) first, then two new prompts, as the scheduler orders them
+    mixed = SchedulerOutput([ScheduledSeq(i, [7 + i], len(p), i * REGION, True) for i, p in enumerate(prompts)]
+                            + [ScheduledSeq(2 + j, p, 0, (2 + j) * REGION, True) for j, p in enumerate(later)])
+    got = {}
+    for overlap in (False, True, False):
+        gpu.overlap_attention = overlap
+        got.setdefault(overlap, []).append(gpu.forward(mixed, all_logits=True))
+    np.testing.assert_array_equal(got[False][0], got[False][1])  # the step rewrites the same K/V rows
+    np.testing.assert_array_equal(got[True][0], got[False][0])
+
+
 def test_tiny_fp8_kv_cache_needs_head_dim_multiple_of_32(tmp_path):
     model = load_model(str(build_tiny_model(tmp_path, "llama", seed=5)), with_tokenizer=False)  # head_dim 16
     with pytest.raises(ValueError, match="multiple of 32"):

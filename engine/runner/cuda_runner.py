@@ -280,6 +280,12 @@ class CudaRunner:
         self.engine_config = config
         self.enforce_eager = config.enforce_eager
         self.stream = cp.cuda.Stream(non_blocking=True)
+        # a step with both decode rows and prompts runs the prompts' attention on a second
+        # stream beside the decode rows' (_submit_varlen's attention; H200, 8B fp8 weights + K/V,
+        # 252 decodes at 576 keys + 4 prompts of 448: the step 35.32 -> 34.87 ms; same bits)
+        self.overlap_attention = True
+        self._side_stream = cp.cuda.Stream(non_blocking=True)
+        self._side_events = (cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True))
         # programmatic dependent launch in the decode graphs (Hopper+); _launch_pdl is whether
         # the kernels launched now use it: only while capturing (see _capture_graphs)
         self.pdl = pdl_supported() if pdl is None else pdl
@@ -979,13 +985,28 @@ class CudaRunner:
             decode_args = (b.q_rot[:nd], dev["seq_k"][:nd], dev["seq_v"][:nd], dev["kv_len"][:nd])
             prefill_seqs = tuple(dev[name][nd:] for name in ("q_start", "q_len", "kv_len", "seq_k", "seq_v"))
 
+            def prefill_attention(offset: int) -> None:
+                flash_prefill(b.q_rot[:T], dev["tile_seq"], dev["tile_q0"], *prefill_seqs, offset,
+                              cfg.num_kv_heads, cfg.softmax_scale, b.attn_out[:T], window, kv_fp8=self.kv_fp8,
+                              max_keys=max_keys)
+
             def attention(offset: int) -> None:
+                if nd and nd < len(rows) and self.overlap_attention:
+                    # the two read the same q and K/V and write other rows of attn_out: the
+                    # prompts' tiles on the side stream, the decode rows' splits beside them
+                    ready, done = self._side_events
+                    ready.record(self.stream)
+                    self._side_stream.wait_event(ready)
+                    with self._side_stream:
+                        prefill_attention(offset)
+                    done.record(self._side_stream)
+                    self._decode_attention(nd, *decode_args, offset)
+                    self.stream.wait_event(done)
+                    return
                 if nd:
                     self._decode_attention(nd, *decode_args, offset)
                 if nd < len(rows):
-                    flash_prefill(b.q_rot[:T], dev["tile_seq"], dev["tile_q0"], *prefill_seqs, offset,
-                                  cfg.num_kv_heads, cfg.softmax_scale, b.attn_out[:T], window, kv_fp8=self.kv_fp8,
-                                  max_keys=max_keys)
+                    prefill_attention(offset)
 
             down_scales, residual = self._layers(T, (dev["tok_pos"], dev["tok_k"], dev["tok_v"]), attention)
             add_rms_norm(residual, b.down_out[:T], w.norm, cfg.rms_norm_eps, out=b.norm_out[:T], scales=down_scales)
