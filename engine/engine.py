@@ -150,6 +150,13 @@ class BatchSink:
         raise NotImplementedError
 
 
+def flush_sinks(sinks: set[BatchSink]) -> None:
+    """Flush each BatchSink that `deliver` collected, then forget them."""
+    for sink in sinks:
+        sink.flush()
+    sinks.clear()
+
+
 def deliver(sink: Sink, out: RequestOutput, flush: set[BatchSink]) -> bool:
     """Hand `out` to `sink` (a BatchSink joins `flush`, to be flushed once the step's outputs
     are all handed over); False, logged, if the consumer failed (e.g. its event loop is gone)."""
@@ -321,7 +328,7 @@ class Engine(EngineAPI):
         """The scheduler's state now (read from another thread, it may be a step old)."""
         sched = self.scheduler
         running = len({seq.request.request_id for seq in list(sched.running)})
-        waiting = sum(1 for kind, _ in list(self._inbox) if kind == "add") + len(sched.waiting) + len(
+        waiting = self._pending_adds() + len(sched.waiting) + len(
             {seq.request.request_id for seq in list(sched.preempted)})
         return EngineGauges(running, waiting, sched.kv.usage, sched.num_preemptions,
                             getattr(self.runner, "last_roofline_fraction", None))
@@ -341,13 +348,16 @@ class Engine(EngineAPI):
             raise EngineDeadError(f"the engine stopped: {self.dead!r}")
         request_id = request.request_id
         with self._wake:
-            pending = sum(1 for kind, _ in self._inbox if kind == "add")
-            if self.scheduler.queue_full(pending):
+            if self.scheduler.queue_full(self._pending_adds()):
                 raise QueueFullError(f"server overloaded: {self.config.scheduler.max_waiting} requests "
                                      f"are already waiting")
             self._inbox.append(("add", (request, sink)))
             self._wake.notify()
         return request_id
+
+    def _pending_adds(self) -> int:
+        """Requests in the inbox not yet handed to the scheduler (a copy: other threads append)."""
+        return sum(1 for kind, _ in list(self._inbox) if kind == "add")
 
     def abort(self, request_id: str) -> None:
         """Stop a request in whatever state it is (any thread); its sink gets a final output."""
@@ -402,9 +412,7 @@ class Engine(EngineAPI):
 
     def _flush_sinks(self) -> None:
         """Wake the event loops that have outputs waiting."""
-        for sink in self._flush:
-            sink.flush()
-        self._flush.clear()
+        flush_sinks(self._flush)
 
     def _step(self) -> list[RequestOutput]:
         outputs = self._drain_inbox()

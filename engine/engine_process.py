@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from .config import EngineConfig
 from .engine import (BatchSink, CompletionOutput, Engine, EngineAPI, EngineDeadError, EngineGauges, EngineObserver,
-                     EngineStats, LoopSink, RequestOutput, Sink, deliver)
+                     EngineStats, LoopSink, RequestOutput, Sink, deliver, flush_sinks)
 from .request import Request, RequestTimings, SamplingParams
 from .scheduler import QueueFullError
 
@@ -206,8 +206,7 @@ class EngineProcess(EngineAPI):
             entry = self._requests.pop(request_id, None) if finished else self._requests.get(request_id)
             if entry is not None:
                 deliver(entry[0], _unpack(packed, entry[1]), flush)
-        for sink in flush:
-            sink.flush()
+        flush_sinks(flush)
         if dead is not None:
             self._die(dead)
 
@@ -226,8 +225,7 @@ class EngineProcess(EngineAPI):
             if entry is not None:
                 deliver(entry[0], RequestOutput(request_id, entry[1], [], finished=True, error=message,
                                                       error_kind="internal"), flush)
-        for sink in flush:
-            sink.flush()
+        flush_sinks(flush)
 
 
 # ---------------------------------------------------------------------- the child

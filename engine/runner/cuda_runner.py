@@ -19,6 +19,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import cupy as cp
 import cupyx
@@ -72,16 +73,24 @@ WHOLE_KEYS = 256
 # ... and a longer row in splits of FLASH_KEYS keys while they number at most this many and the
 # step's blocks fit the SMs once (decode_split_plan).
 SHORT_SPLITS = 12
+# flash-decode blocks an SM holds at once (its registers and shared memory)
+DECODE_BLOCKS_PER_SM = 4
 
 
-def decode_split_plan(rows: int, kv_heads: int, max_model_len: int, resident_blocks: int,
-                      sms: int) -> tuple[int, int, int, int]:
-    """(shortest split in keys, splits a row at most, keys a row takes in one split, keys up to
-    which a row takes splits of FLASH_KEYS) of the
-    flash-decode grid for a step of `rows` rows. Shortest split: 128 keys up to 16 rows, so
-    that a short context still spreads over several blocks (B=1, 8 KV heads, 512 keys: 32
-    blocks rather than 16 of 256), 256 from 32 rows on. Splits: as many as fill the GPU's
-    resident blocks once with rows x KV heads x splits, so a step of many rows, whose blocks
+class SplitPlan(NamedTuple):
+    """The flash-decode grid of a step's bucket (flash_decode's chunk, S, whole and short)."""
+
+    chunk: int  # shortest split, keys
+    splits: int  # splits a row at most (the grid's S)
+    whole: int  # a row of at most this many keys takes one split
+    short: int  # a longer row of at most this many keys takes splits of FLASH_KEYS (0: none)
+
+
+def decode_split_plan(rows: int, kv_heads: int, max_model_len: int, sms: int) -> SplitPlan:
+    """The flash-decode grid for a step of `rows` rows on `sms` SMs. Shortest split: 128 keys
+    up to 16 rows, so that a short context still spreads over several blocks (B=1, 8 KV
+    heads, 512 keys: 32 blocks rather than 16 of 256), 256 from 32 rows on. Splits: as many
+    as fill the GPU's resident blocks (DECODE_BLOCKS_PER_SM) once with rows x KV heads x splits, so a step of many rows, whose blocks
     already fill it, takes each row in one or two long splits (fewer blocks, fewer partials
     to combine: H200, Llama-3-8B shape, 128 rows of 576 keys, one split against three of
     256: 88.5 vs 97.7 us a layer, fp8 K/V 71.6 vs 84.9); no more than the longest context
@@ -100,14 +109,14 @@ def decode_split_plan(rows: int, kv_heads: int, max_model_len: int, resident_blo
     were worse for SmolLM2 at 1,000 keys, 0.487 -> 0.490, hence 12).
     """
     shortest = 128 if rows <= 16 else 256
-    fill = -(-resident_blocks // (rows * kv_heads))
+    fill = -(-DECODE_BLOCKS_PER_SM * sms // (rows * kv_heads))
     splits = max(1, min(FLASH_MAX_SPLITS, -(-max_model_len // shortest), fill))
     if rows > 16:
-        return shortest, splits, 0, 0
+        return SplitPlan(shortest, splits, 0, 0)
     n = min(SHORT_SPLITS, sms // (rows * kv_heads), -(-max_model_len // FLASH_KEYS))
     if n * FLASH_KEYS <= WHOLE_KEYS:
-        return shortest, splits, WHOLE_KEYS, 0
-    return shortest, max(splits, n), WHOLE_KEYS, n * FLASH_KEYS
+        return SplitPlan(shortest, splits, WHOLE_KEYS, 0)
+    return SplitPlan(shortest, max(splits, n), WHOLE_KEYS, n * FLASH_KEYS)
 
 
 def bucket_for(n: int) -> int:
@@ -314,15 +323,13 @@ class CudaRunner:
         self.max_model_len = sched.model_len(cfg)
         self.rows = bucket_for(sched.max_num_seqs)  # decode rows, a bucket
         self.max_tokens = max(sched.max_num_batched_tokens, self.rows)
-        # flash-decode split plan per graph bucket: (shortest split, splits, one-split keys); 4 blocks an SM
-        # are resident (its registers and shared memory)
-        resident = 4 * sm_count()
-        self.splits = {}
+        # flash-decode split plan per graph bucket
+        self.splits: dict[int, SplitPlan] = {}
         for bucket in BUCKETS:
-            self.splits[bucket] = decode_split_plan(bucket, cfg.num_kv_heads, self.max_model_len, resident, sm_count())
+            self.splits[bucket] = decode_split_plan(bucket, cfg.num_kv_heads, self.max_model_len, sm_count())
             if bucket >= self.rows:
                 break
-        self.max_splits = max(plan[1] for plan in self.splits.values())
+        self.max_splits = max(plan.splits for plan in self.splits.values())
 
         with self.stream:
             given = isinstance(weights, ModelWeights)
@@ -419,7 +426,7 @@ class CudaRunner:
         cfg, R, A = self.config, self.rows, self.max_tokens
         H, D, V = cfg.num_heads, cfg.head_dim, cfg.vocab_size
         s = self.scalar
-        parts = max(min(bucket, R) * H * plan[1] for bucket, plan in self.splits.items())
+        parts = max(min(bucket, R) * H * plan.splits for bucket, plan in self.splits.items())
         fields = {
             "input_ids": (np.int32, ()), "positions": (np.int32, ()), "kv_lens": (np.int32, ()),
             "k_ptrs": (np.int64, ()), "v_ptrs": (np.int64, ()),
@@ -648,13 +655,13 @@ class CudaRunner:
                           offset: int) -> None:
         """Split-KV attention of n one-token rows, with the split plan of their bucket."""
         cfg, b = self.config, self.buffers
-        chunk, splits, whole, short = self.splits[bucket_for(n)]
-        H, D = cfg.num_heads, cfg.head_dim
-        part_o = b.part_o[:n * H * splits * D].reshape(n, H, splits, D)
-        part_ml = b.part_ml[:n * H * splits * 2].reshape(n, H, splits, 2)
+        plan = self.splits[bucket_for(n)]
+        H, D, S = cfg.num_heads, cfg.head_dim, plan.splits
+        part_o = b.part_o[:n * H * S * D].reshape(n, H, S, D)
+        part_ml = b.part_ml[:n * H * S * 2].reshape(n, H, S, 2)
         flash_decode(q, k_ptrs, v_ptrs, kv_lens, offset, cfg.num_kv_heads, part_o, part_ml, b.attn_counters[:n],
-                     b.attn_out[:n], cfg.softmax_scale, chunk, cfg.sliding_window or 0, pdl=self._launch_pdl,
-                     kv_fp8=self.kv_fp8, whole=whole, short=short)
+                     b.attn_out[:n], cfg.softmax_scale, plan.chunk, cfg.sliding_window or 0, pdl=self._launch_pdl,
+                     kv_fp8=self.kv_fp8, whole=plan.whole, short=plan.short)
 
     def _sample(self, n: int) -> None:
         b, d = self.buffers, self.buffers.inputs.dev
