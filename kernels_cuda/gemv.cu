@@ -337,13 +337,17 @@ struct RopeKV {  // weight rows [q (H heads) | k (KVH) | v (KVH)] of HEAD_DIM; H
 // -DNORM_IN=1: the product's input rows are not read from x but made by each block, as
 // rmsnorm.cu's add_rms_norm makes them (the same bits): res (+ delta + bias, where delta is
 // not null) normed with weights w, into shared memory; block 0 writes res + delta (+ bias) to
-// res_out where that is not null. The block takes the rows one at a time and sums their
+// res_out where that is not null. delta may come in `parts` parts delta_stride floats apart
+// (attn_block.cu's o product, a part per KV head), added in order before the residual (one
+// part: the bits of add_rms_norm). The block takes the rows one at a time and sums their
 // float4s in the order of an add_rms_norm block of NORM_THREADS threads: K / 4 <= NORM_THREADS,
 // K % 4 == 0, NORM_THREADS a multiple of 32 WARPS.
 struct NormIn {
     const float *res, *delta, *bias, *w;
     float eps;
     float *res_out;
+    long long delta_stride;
+    int parts;
 };
 
 __device__ __forceinline__ void norm_into(const NormIn &n, scalar_t *xs, int B, int K) {
@@ -360,7 +364,17 @@ __device__ __forceinline__ void norm_into(const NormIn &n, scalar_t *xs, int B, 
         for (int j = 0; j < PER; j++) {  // norm thread i = threadIdx.x + j * blockDim.x holds float4 i
             const int i = threadIdx.x + j * WARPS * 32;
             if (i < n4) {
-                v[j] = del != nullptr ? add_delta(res[i], del[i], bias != nullptr ? bias[i] : zero) : res[i];
+                if (del != nullptr) {
+                    float4 e = del[i];
+                    for (int p = 1; p < n.parts; p++) {
+                        const float4 f = reinterpret_cast<const float4 *>(n.delta + p * n.delta_stride +
+                                                                          (long long)r * K)[i];
+                        e = make_float4(e.x + f.x, e.y + f.y, e.z + f.z, e.w + f.w);
+                    }
+                    v[j] = add_delta(res[i], e, bias != nullptr ? bias[i] : zero);
+                } else {
+                    v[j] = res[i];
+                }
                 g[j] = reinterpret_cast<const float4 *>(n.w)[i];
             }
         }
@@ -527,23 +541,24 @@ __device__ __forceinline__ void skinny(const scalar_t *__restrict__ x, const w_t
 // two tiles). Grid (blocks the epilogue asks for), block (32 WARPS); prefetch: bytes of each
 // weight row to bring into the L2 up front (a multiple of 16, at most a row); wscale: the
 // rows' scales with W_FP8 (else unused, may be null); nres .. nres_out: NormIn's fields with
-// NORM_IN (else unused; dynamic shared memory B * K 16-bit values). EPI: the epilogue
+// NORM_IN (else unused; dynamic shared memory B * K 16-bit values); ndelta_stride, nparts:
+// delta's parts (see NormIn). EPI: the epilogue
 // template, built from the kernel's own parameters (the ones after `nres_out`).
 #define SKINNY_PARAMS                                                                                            \
     const scalar_t *__restrict__ x, const w_t *__restrict__ w, int B, int N, int K, int prefetch,                \
         const float *__restrict__ wscale, const float *nres, const float *ndelta, const float *nbias,            \
-        const float *nw, float neps, float *nres_out
+        const float *nw, float neps, float *nres_out, long long ndelta_stride, int nparts
 #define SKINNY_KERNELS(NAME, EPI, INIT, ...)                                                                     \
     extern "C" __global__ void SKINNY_BOUNDS NAME##_8(SKINNY_PARAMS, __VA_ARGS__) {                                 \
-        skinny<false, 1>(x, w, B, N, K, prefetch, wscale, NormIn{nres, ndelta, nbias, nw, neps, nres_out},       \
+        skinny<false, 1>(x, w, B, N, K, prefetch, wscale, NormIn{nres, ndelta, nbias, nw, neps, nres_out, ndelta_stride, nparts},       \
                          EPI<1> INIT);                                                                           \
     }                                                                                                            \
     extern "C" __global__ void SKINNY_BOUNDS NAME##_8x2(SKINNY_PARAMS, __VA_ARGS__) {                               \
-        skinny<false, 2>(x, w, B, N, K, prefetch, wscale, NormIn{nres, ndelta, nbias, nw, neps, nres_out},       \
+        skinny<false, 2>(x, w, B, N, K, prefetch, wscale, NormIn{nres, ndelta, nbias, nw, neps, nres_out, ndelta_stride, nparts},       \
                          EPI<2> INIT);                                                                           \
     }                                                                                                            \
     extern "C" __global__ void SKINNY_BOUNDS NAME##_16(SKINNY_PARAMS, __VA_ARGS__) {                                \
-        skinny<true, 2>(x, w, B, N, K, prefetch, wscale, NormIn{nres, ndelta, nbias, nw, neps, nres_out},        \
+        skinny<true, 2>(x, w, B, N, K, prefetch, wscale, NormIn{nres, ndelta, nbias, nw, neps, nres_out, ndelta_stride, nparts},        \
                         EPI<2> INIT);                                                                            \
     }
 

@@ -107,7 +107,9 @@ class NormIn:
     res (B, K) float32 (+ delta (B, K) float32 + bias (K,)), normed with weight (K,) float32.
     Where delta is given, res + delta (+ bias) goes to res_out (B, K) if given (the residual
     stream's next state), which must not be res: the other blocks still read it. K a
-    multiple of 4, at most 4 x rmsnorm.THREADS."""
+    multiple of 4, at most 4 x rmsnorm.THREADS. delta may also be (P, B, K), a view whose
+    parts lie apart (each part's rows contiguous): the parts are added in order first
+    (attn_block's o product, a part per KV head)."""
     res: cp.ndarray
     weight: cp.ndarray
     eps: float
@@ -121,8 +123,7 @@ class NormIn:
             raise ValueError(f"gemv: a folded norm needs K a multiple of 4 and at most {4 * rmsnorm.THREADS}, got {K}")
         check(self.res, "norm.res", np.float32, (B, K))
         check(self.weight, "norm.weight", np.float32, (K,))
-        if self.delta is not None:
-            check(self.delta, "norm.delta", np.float32, (B, K))
+        parts, stride = (1, 0) if self.delta is None else rmsnorm.delta_parts(self.delta, B, K, "norm.delta")
         if self.res_out is not None:
             check(self.res_out, "norm.res_out", np.float32, (B, K))
             if self.res_out.data.ptr == self.res.data.ptr:
@@ -130,10 +131,10 @@ class NormIn:
         if self.bias is not None:
             check(self.bias, "norm.bias", np.float32, (K,))
         return (self.res, ptr_or_null(self.delta), ptr_or_null(self.bias), self.weight, f32(self.eps),
-                ptr_or_null(self.res_out if self.delta is not None else None))
+                ptr_or_null(self.res_out if self.delta is not None else None), i64(stride), i32(parts))
 
 
-NO_NORM = (np.uint64(0),) * 4 + (f32(0), np.uint64(0))
+NO_NORM = (np.uint64(0),) * 4 + (f32(0), np.uint64(0), i64(0), i32(1))
 
 
 def _weights(x: cp.ndarray, w) -> tuple[cp.ndarray, cp.ndarray | None]:

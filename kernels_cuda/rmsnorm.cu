@@ -21,7 +21,7 @@ __device__ __forceinline__ void norm_row(float *__restrict__ r, const float *__r
                                          const float *__restrict__ bias, const float *__restrict__ w,
                                          scalar_t *__restrict__ out, int hidden, float eps, float rsv,
                                          const float *__restrict__ cs, unsigned char *__restrict__ q,
-                                         float *__restrict__ q_scale) {
+                                         float *__restrict__ q_scale, long long d_stride = 0, int parts = 1) {
     __shared__ float scratch[32];
     const int n4 = hidden % 4 == 0 ? min(hidden / 4, NORM_VEC * (int)blockDim.x) : 0;
     float4 v[NORM_VEC], g[NORM_VEC];  // g: the weights, loaded with the row (not after the sum)
@@ -34,6 +34,10 @@ __device__ __forceinline__ void norm_row(float *__restrict__ r, const float *__r
         g[u] = reinterpret_cast<const float4 *>(w)[i];
         if (d != nullptr) {
             float4 e = reinterpret_cast<const float4 *>(d)[i];
+            for (int p = 1; p < parts; p++) {  // gemv.cu's NormIn adds parts in this order too
+                const float4 f = reinterpret_cast<const float4 *>(d + p * d_stride)[i];
+                e = make_float4(e.x + f.x, e.y + f.y, e.z + f.z, e.w + f.w);
+            }
             if (cs != nullptr) {
                 const float4 f = reinterpret_cast<const float4 *>(cs)[i];
                 e = make_float4(e.x * rsv * f.x, e.y * rsv * f.y, e.z * rsv * f.z, e.w * rsv * f.w);
@@ -47,7 +51,9 @@ __device__ __forceinline__ void norm_row(float *__restrict__ r, const float *__r
     for (int i = 4 * n4 + threadIdx.x; i < hidden; i += blockDim.x) {
         float x = r[i];
         if (d != nullptr) {
-            x += (cs != nullptr ? d[i] * rsv * cs[i] : d[i]) + (bias != nullptr ? bias[i] : 0.0f);
+            float e = d[i];
+            for (int p = 1; p < parts; p++) e += d[p * d_stride + i];
+            x += (cs != nullptr ? e * rsv * cs[i] : e) + (bias != nullptr ? bias[i] : 0.0f);
             r[i] = x;
         }
         ss += x * x;
@@ -102,14 +108,17 @@ extern "C" __global__ void rms_norm(const float *__restrict__ x, const float *__
 }
 
 // residual += delta (+ bias); out = rms_norm(residual) * w.  bias may be null; rs, cs: the
-// scales of a float8 product's delta (common.cuh's dequant), or null.
+// scales of a float8 product's delta (common.cuh's dequant), or null. delta may come in
+// `parts` parts d_stride floats apart (attn_block.cu's o product), added in order first.
 extern "C" __global__ void add_rms_norm(float *__restrict__ residual, const float *__restrict__ delta,
                                         const float *__restrict__ bias, const float *__restrict__ w,
                                         scalar_t *__restrict__ out, int hidden, float eps,
                                         const float *__restrict__ rs, const float *__restrict__ cs,
-                                        unsigned char *__restrict__ q, float *__restrict__ q_scale) {
+                                        unsigned char *__restrict__ q, float *__restrict__ q_scale,
+                                        long long d_stride, int parts) {
     PDL_ENTER();
     const long long row = blockIdx.x;
     norm_row(residual + row * hidden, delta + row * hidden, bias, w, out ? out + row * hidden : out, hidden, eps,
-             rs != nullptr ? rs[row] : 1.0f, rs != nullptr ? cs : nullptr, q + row * hidden, q_scale + row);
+             rs != nullptr ? rs[row] : 1.0f, rs != nullptr ? cs : nullptr, q + row * hidden, q_scale + row, d_stride,
+             parts);
 }

@@ -32,6 +32,9 @@ VARIANTS = {"flash_decode": [{"HEAD_DIM": 64, "GROUP": 3}, {"HEAD_DIM": 128, "GR
                      {"PRELOAD": 1}, {"PRELOAD": 1, "W_FP8": 1}, {"NORM_IN": 1, "HEAD_DIM": 64},
                      {"NORM_IN": 1, "W_FP8": 1, "PRELOAD": 1}, {"STAGED": 1, "DEPTH": 4, "MIN_BLOCKS": 4},
                      {"STAGED": 1, "DEPTH": 8, "STAGES": 1, "HEAD_DIM": 64, "KV_FP8": 1}],
+            "attn_block": [{"HEAD_DIM": 64, "GROUP": 3, "HIDDEN": 576}, {"HEAD_DIM": 64, "GROUP": 2, "HIDDEN": 128,
+                                                                          "KV_FP8": 1},
+                           {"HEAD_DIM": 16, "GROUP": 3, "HIDDEN": 96}],
             "read_patterns": [{"PATTERN": 0, "DEPTH": 8}, {"PATTERN": 3, "DEPTH": 4}, {"PATTERN": 3, "DEPTH": 8}]}
 FP8_ONLY = {"quant"}  # families that are all e4m3
 
@@ -57,7 +60,8 @@ def test_every_kernel_family_compiles(tmp_path):
 
     all_jobs = list(jobs())
     assert {cu.stem for cu, _ in all_jobs} >= {"embedding", "rmsnorm", "rope", "activation", "gemv",
-                                               "flash_decode", "flash_prefill", "sampling", "read_patterns"}
+                                               "flash_decode", "flash_prefill", "sampling", "read_patterns",
+                                               "attn_block"}
     with ThreadPoolExecutor(max_workers=2) as pool:
         failures = [r for r in pool.map(build, all_jobs) if r[2] != 0]
     assert not failures, "\n".join(f"{name} {defines}:\n{err}" for name, defines, _, err in failures)

@@ -154,6 +154,48 @@ def test_mixed_step_attention_on_two_streams_gives_the_same_bits(tmp_path, kv_dt
     np.testing.assert_array_equal(got[True][0], got[False][0])
 
 
+@pytest.mark.parametrize("name,kv_dtype", [("llama_hd64", "auto"), ("llama_hd64", "fp8"), ("qwen2", "auto"),
+                                           ("mistral", "auto")])
+def test_attention_block_in_one_kernel_matches_the_separate_kernels(tmp_path, name, kv_dtype, monkeypatch):
+    """Decode steps of a small model may run the attention block as one kernel (_attn_block,
+    off by default): the same step through the separate kernels gives logits as close as a
+    change in the order of sums allows, and the same greedy tokens up to near ties; QKV bias
+    (qwen2) and a sliding window (mistral, 6 keys) included. The captured graphs run it too."""
+    import engine.runner.cuda_runner as cr
+    model = load_model(str(build_tiny_model(tmp_path, name, seed=5)), with_tokenizer=False)
+    gpu = cuda_runner(model, max_model_len=REGION, kv_dtype=kv_dtype, eager=True)
+    assert gpu.attn_block_fits and not gpu._attn_block(1)
+    gpu.fuse_attention = True
+    assert gpu._attn_block(1) and gpu._attn_block(16)
+    r = np.random.default_rng(6)
+    prompts = [r.integers(0, VOCAB, n).tolist() for n in (5, 40, 130)]
+    gpu.forward(prefill_step(prompts))
+    pos = [len(p) for p in prompts]
+    for step in range(4):
+        out = decode_step([int(t) for t in r.integers(0, VOCAB, 3)], [p + step for p in pos])
+        for row in out.seqs:
+            row.sampling = SamplingParams(temperature=0)
+        got = {}
+        for fuse in (False, True):  # the step rewrites the same K/V rows
+            gpu.fuse_attention = fuse
+            gpu.execute(out)
+            got[fuse] = cp.asnumpy(gpu.buffers.logits[:3])
+        cos = cosines(got[True], got[False])
+        assert cos.min() >= 0.9999, cos
+        # the same top token, or one within rounding of the top (a tiny random model's near ties)
+        rows = np.arange(3)
+        gap = got[False].max(1) - got[False][rows, got[True].argmax(1)]
+        assert (gap <= 1e-3 * np.abs(got[False]).max(1)).all(), gap
+    monkeypatch.setattr(cr, "FUSE_ATTENTION", True)
+    graphed = cuda_runner(model, max_model_len=REGION, kv_dtype=kv_dtype)
+    assert graphed.graphs and graphed.fuse_attention
+    out = decode_step([3, 4, 5], [len(p) for p in prompts])
+    for row in out.seqs:
+        row.sampling = SamplingParams(temperature=0)
+    graphed.forward(prefill_step(prompts))
+    assert len(graphed.execute(out).sampled) == 3
+
+
 def test_tiny_fp8_kv_cache_needs_head_dim_multiple_of_32(tmp_path):
     model = load_model(str(build_tiny_model(tmp_path, "llama", seed=5)), with_tokenizer=False)  # head_dim 16
     with pytest.raises(ValueError, match="multiple of 32"):

@@ -575,17 +575,17 @@ def test_readers_take_a_16_bit_product(kernel, prod, fp8):
         np.testing.assert_array_equal(cp.asnumpy(got), cp.asnumpy(want))
 
 
-def kv_cache_rows(kv8: bool, rows: int, region: int, kv_heads: int, head_dim: int) -> tuple:
+def kv_cache_rows(kv8: bool, rows: int, region: int, kv_heads: int, head_dim: int, dtype: str = "float16") -> tuple:
     """Random K and V for `rows` sequences of `region` slots each, in a cache as the attention
-    kernels read it (e4m3 codes, or float16): (the values as stored, float32 (2, rows, region,
-    kv_heads, head_dim); k_ptrs; v_ptrs; the cache, to keep it alive)."""
+    kernels read it (e4m3 codes, or the 16-bit dtype): (the values as stored, float32 (2, rows,
+    region, kv_heads, head_dim); k_ptrs; v_ptrs; the cache, to keep it alive)."""
     kv = rng.standard_normal((2, rows, region, kv_heads, head_dim)).astype(np.float32)
     if kv8:
         codes = to_e4m3(kv)
         kv, pool = E4M3[codes], cp.asarray(codes)
     else:
-        kv = rounded(kv, "float16")
-        pool = cp.asarray(kv.astype(np.float16))
+        kv = rounded(kv, dtype)
+        pool = to_dev(kv, dtype)
     row_bytes = region * kv_heads * head_dim * pool.itemsize
     kp = cp.asarray(pool.data.ptr + np.arange(rows) * row_bytes, dtype=cp.int64)
     return kv, kp, kp + rows * row_bytes, pool
@@ -721,3 +721,117 @@ def test_tuned_fp8_product_algorithm(monkeypatch):
             assert bytes(G._lt.plans[(M, N, K, G.CUDA_R_32F, G.FAST_ACCUM)][4]) == bytes(algo)
             after = cp.asnumpy(G.gemm_fp8(xq[:M], ws[1], cp.zeros((M, N), np.float32)))
             np.testing.assert_allclose(after, before[M], rtol=1e-3, atol=1e-3 * np.abs(before[M]).max())
+
+
+def test_products_add_a_delta_in_parts():
+    """A delta in parts (attn_block's o product, a part per KV head, the parts apart in a
+    larger buffer) is added part by part: the bits of the parts summed first, through
+    add_rms_norm and through a product's folded norm."""
+    from kernels_cuda.gemv import NormIn, gemv_silu
+    from kernels_cuda.rmsnorm import add_rms_norm
+    B, K, P = 3, 576, 3
+    res = cp.asarray(rng.standard_normal((B, K)).astype(np.float32))
+    store = cp.asarray(rng.standard_normal((P, 16, K)).astype(np.float32))
+    parts = store[:, :B]
+    summed_delta = (parts[0] + parts[1]) + parts[2]
+    weight = cp.asarray(rng.uniform(0.5, 1.5, K).astype(np.float32))
+    bias = cp.asarray(rng.standard_normal(K).astype(np.float32))
+    outs = []
+    for delta in (summed_delta, parts):
+        r, normed = res.copy(), cp.zeros((B, K), np.float16)
+        add_rms_norm(r, delta, weight, 1e-5, out=normed, bias=bias)
+        outs.append((cp.asnumpy(r), cp.asnumpy(normed)))
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(a, b)
+    w = cp.asarray((rng.standard_normal((64, K)) * 0.1).astype(np.float16))
+    x = cp.zeros((1, K), np.float16)
+    acts = [gemv_silu(x, w, cp.zeros((1, 32), np.float16),
+                      norm=NormIn(res[:1], weight, 1e-5, delta, bias, cp.zeros((1, K), np.float32)))
+            for delta in (summed_delta[:1], store[:, :1])]
+    np.testing.assert_array_equal(cp.asnumpy(acts[0]), cp.asnumpy(acts[1]))
+    with pytest.raises(ValueError, match="contiguously"):
+        add_rms_norm(res[:, :K - 4].copy(), store[:, :B, :K - 4], weight[:K - 4], 1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv8", [False, True], ids=["kv16", "kv8"])
+@pytest.mark.parametrize("shape", [(576, 9, 3, 64), (96, 6, 2, 16), (128, 2, 1, 64)],
+                         ids=["smollm2", "gqa3-hd16", "gqa2-hd64"])
+@pytest.mark.parametrize("window,with_bias", [(0, False), (300, True)])
+def test_attn_block(dtype, kv8, shape, window, with_bias):
+    """The attention block in one kernel against float64: RMSNorm(res + delta), QKV (+ bias),
+    RoPE, the token's K/V row written to the cache, attention over the cached keys and the
+    token's (rows of 1 to 1,200 keys: up to three 64-key tiles a block, the token's key in
+    a tile after the first two; a padding row), and o in a part per KV head. The residual
+    sum goes to res_out; each row's bits do not depend on the other rows."""
+    from kernels_cuda.attn_block import attn_block, supported
+    hidden, H, KVH, D = shape
+    if kv8 and D % 16:
+        pytest.skip("e4m3 K/V rows of whole 16-byte pieces")
+    assert supported(hidden, H, KVH, D, kv8)
+    G, region = H // KVH, 1280
+    lens = np.array([1, 70, 0, 700, 1200], np.int32)
+    B = len(lens)
+    pos = np.maximum(lens - 1, 0).astype(np.int32)
+    res = rng.standard_normal((B, hidden)).astype(np.float32)
+    delta = rng.standard_normal((B, hidden)).astype(np.float32)
+    norm_w = rng.uniform(0.5, 1.5, hidden).astype(np.float32)
+    w_qkv = rounded(rng.standard_normal(((H + 2 * KVH) * D, hidden)).astype(np.float32) / np.sqrt(hidden), dtype)
+    w_o = rounded(rng.standard_normal((hidden, H * D)).astype(np.float32) / np.sqrt(H * D), dtype)
+    bias = rng.standard_normal(w_qkv.shape[0]).astype(np.float32) * 0.1 if with_bias else None
+    inv = 1.0 / 10000 ** (np.arange(0, D, 2) / D)
+    ang = np.arange(region)[:, None] * inv[None]
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    kv, kp, vp, pool = kv_cache_rows(kv8, B, region, KVH, D, dtype)
+    pool_before = cp.asnumpy(pool)
+    args = {"w_qkv": to_dev(w_qkv, dtype), "w_o": to_dev(w_o, dtype), "cos": cp.asarray(cos), "sin": cp.asarray(sin)}
+
+    def run(rows):
+        n = len(rows)
+        store = cp.full((KVH, 8, hidden), np.nan, np.float32)
+        res_out = cp.full((n, hidden), np.nan, np.float32)
+        attn_block(cp.asarray(res[rows]), cp.asarray(delta[rows]), cp.asarray(norm_w), 1e-5, res_out, args["w_qkv"],
+                   cp.asarray(bias) if with_bias else None, args["w_o"], cp.asarray(pos[rows]), args["cos"],
+                   args["sin"], kp[rows], vp[rows], cp.asarray(lens[rows]), 0, H, KVH, store[:, :n], D ** -0.5,
+                   window=window, kv_fp8=kv8)
+        return cp.asnumpy(store[:, :n]), cp.asnumpy(res_out)
+
+    parts, res_out = run(np.arange(B))
+    np.testing.assert_array_equal(res_out[lens > 0], (res + delta)[lens > 0])
+    assert np.isnan(parts[:, 2]).all()  # the padding row is left alone
+    for b in (4, 1):  # each row alone: the same bits
+        np.testing.assert_array_equal(run(np.array([b]))[0][:, 0], parts[:, b])
+    cache = cp.asnumpy(pool).reshape(2, B, region, KVH, D)
+    before = pool_before.reshape(2, B, region, KVH, D)
+    stored = E4M3[cache] if kv8 else from_dev(pool).reshape(cache.shape)
+    for b, n in enumerate(lens):
+        if n == 0:
+            continue
+        x = (res[b] + delta[b]).astype(np.float64)
+        normed = rounded((x / np.sqrt((x * x).mean() + 1e-5) * norm_w).astype(np.float32), dtype).astype(np.float64)
+        qkv = w_qkv.astype(np.float64) @ normed + (bias if with_bias else 0)
+        heads = qkv.reshape(H + 2 * KVH, D)
+        c, s = cos[pos[b]].astype(np.float64), sin[pos[b]].astype(np.float64)
+        half = D // 2
+        rot = np.concatenate([heads[:, :half] * c - heads[:, half:] * s, heads[:, half:] * c + heads[:, :half] * s], 1)
+        q = rounded(rot[:H].astype(np.float32), dtype).astype(np.float64)
+        k_new, v_new = rot[H:H + KVH], heads[H + KVH:]
+        if kv8:
+            assert_e4m3_of(cache[0, b, pos[b]], k_new.astype(np.float32))
+            assert_e4m3_of(cache[1, b, pos[b]], v_new.astype(np.float32))
+        else:
+            np.testing.assert_allclose(stored[0, b, pos[b]], k_new, rtol=2e-2, atol=2e-2 * np.abs(k_new).max())
+            np.testing.assert_allclose(stored[1, b, pos[b]], v_new, rtol=2e-2, atol=2e-2 * np.abs(v_new).max())
+        changed = (cache[:, b] != before[:, b]).any(axis=(0, 2, 3))
+        assert not changed[np.arange(region) != pos[b]].any()  # only the token's row is written
+        first = max(0, n - window) if window else 0
+        k, v = stored[0, b, first:n].astype(np.float64), stored[1, b, first:n].astype(np.float64)
+        attn = np.zeros((H, D))
+        for h in range(H):
+            sc = k[:, h // G] @ q[h] * D ** -0.5
+            p = np.exp(sc - sc.max())
+            attn[h] = p @ v[:, h // G] / p.sum()
+        for g in range(KVH):
+            cols = slice(g * G * D, (g + 1) * G * D)
+            ref = w_o[:, cols].astype(np.float64) @ attn[g * G:(g + 1) * G].reshape(-1)
+            assert rel(parts[g, b], ref) < (3e-2 if dtype == "bfloat16" else 5e-3), (b, g)

@@ -25,6 +25,7 @@ import cupy as cp
 import cupyx
 import numpy as np
 
+from kernels_cuda import attn_block as attn_block_module
 from kernels_cuda.activation import silu_mul
 from kernels_cuda.embedding import embedding
 from kernels_cuda.flash_decode import KEYS as FLASH_KEYS
@@ -67,6 +68,15 @@ O_PROJ_PDL_MAX_INPUT = 16 << 10
 # up to FOLD_NORM_MAX_ROWS rows (CudaRunner._fold_norms).
 FOLD_NORM_MAX_HIDDEN = 1024
 FOLD_NORM_MAX_ROWS = 1
+
+# Decode steps of a small model with the attention block as one kernel (CudaRunner._attn_block).
+# Off: on the H200 the SmolLM2 decode graphs (alternated in one process) at 511 keys took
+# 0.4611 -> 0.4377 ms at B=1, 0.5175 -> 0.4791 at B=2, 0.5459 -> 0.4927 at B=4, but 0.6168 ->
+# 0.7760 at B=8 (two waves of clusters) and 0.3861 -> 0.4291 at B=1 with 100 keys: the kernel's
+# stage (6.5 us) is shorter than the three it replaces (~8 us), yet the down product before it
+# grows from ~1.9 to ~4.1 us while its blocks stream their weight slices. It must serve every
+# step of up to 16 rows or none (batch invariance), so it stays off until it wins at all of them.
+FUSE_ATTENTION = False
 
 # Steps of up to 16 rows take a row of at most this many keys in one split (see decode_split_plan).
 WHOLE_KEYS = 256
@@ -248,6 +258,9 @@ class DecodeBuffers:
     # stream's other buffer, (FOLD_NORM_MAX_ROWS, hidden) f32, as the products write the sum
     # to one while they read the other
     res_alt: cp.ndarray | None = None
+    # steps whose attention block is one kernel (CudaRunner._attn_block): its o product, a part
+    # per KV head, (kv_heads, GEMV_MAX_ROWS, hidden) f32
+    o_parts: cp.ndarray | None = None
     products: dict[str, tuple[cp.ndarray, cp.ndarray]] = dataclasses.field(default_factory=dict)
 
     def memory_bytes(self) -> int:
@@ -256,7 +269,7 @@ class DecodeBuffers:
                  self.pen_prompt_mask]
         shared = [self.embed_out, self.norm_out, self.qkv_out, self.q_rot, self.attn_out, self.o_proj_out,
                   self.gate_up_out, self.mlp_act, self.down_out]
-        shared += [a for a in (self.act_q, self.act_scale, self.res_alt) if a is not None]
+        shared += [a for a in (self.act_q, self.act_scale, self.res_alt, self.o_parts) if a is not None]
         return self.inputs.nbytes + sum(a.nbytes for a in owned + shared)
 
 
@@ -319,6 +332,13 @@ class CudaRunner:
         self._epilogue_shapes_fit = cfg.intermediate_size % 8 == 0 and cfg.head_dim % 16 == 0
         self._norms_fit = self._epilogue_shapes_fit and cfg.hidden_size % 4 == 0 and \
             cfg.hidden_size <= FOLD_NORM_MAX_HIDDEN
+        # decode steps of up to GEMV_MAX_ROWS rows may run norm, QKV, RoPE, attention and o as one
+        # kernel where the model is small enough (_attn_block): fuse_attention, FUSE_ATTENTION
+        # by default (off: see there)
+        self.attn_block_fits = self._norms_fit and not self.quant_fp8 and attn_block_module.device_supported() \
+            and attn_block_module.supported(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                            self.kv_fp8)
+        self.fuse_attention = FUSE_ATTENTION and self.attn_block_fits
         sched = config.scheduler
         self.max_model_len = sched.model_len(cfg)
         self.rows = bucket_for(sched.max_num_seqs)  # decode rows, a bucket
@@ -453,7 +473,9 @@ class CudaRunner:
             products={"qkv": views(qkv_out, qkv_width), "gate_up": views(gate_up_out, gate_up_width)},
             act_q=cp.zeros(A * widest, np.uint8) if self.quant_fp8 else None,
             act_scale=cp.zeros(A, np.float32) if self.quant_fp8 else None,
-            res_alt=cp.zeros((FOLD_NORM_MAX_ROWS, cfg.hidden_size), np.float32) if self._norms_fit else None,
+            res_alt=cp.zeros((GEMV_MAX_ROWS, cfg.hidden_size), np.float32) if self._norms_fit else None,
+            o_parts=cp.zeros((cfg.num_kv_heads, GEMV_MAX_ROWS, cfg.hidden_size), np.float32)
+            if self.attn_block_fits else None,
             inputs=StagedInputs(R, fields),
             embed_out=cp.zeros((A, cfg.hidden_size), np.float32),
             norm_out=cp.zeros((A, cfg.hidden_size), s),
@@ -586,11 +608,23 @@ class CudaRunner:
         other); with a wide hidden size every block would re-read too much."""
         return n <= FOLD_NORM_MAX_ROWS and self._fused(n) and self._norms_fit
 
-    def _layers(self, n: int, rope: tuple, attention) -> tuple[tuple | None, cp.ndarray]:
+    def _attn_block(self, n: int) -> bool:
+        """Decode steps of up to GEMV_MAX_ROWS rows of a small model (attn_block.supported:
+        the weight slices of a cluster's blocks fit in shared memory) run the input norm, QKV,
+        RoPE + K/V write, attention and o as one kernel (kernels_cuda/attn_block.cu): 3
+        kernels a layer instead of 5. Every such step does, whatever its rows, so decoding
+        stays batch-invariant; the bits differ from the separate kernels' (other orders of
+        sums), which prefill and mixed steps still run."""
+        return self.fuse_attention and self.attn_block_fits and self._fused(n)
+
+    def _layers(self, n: int, rope: tuple, attention, kv_lens: cp.ndarray | None = None
+                ) -> tuple[tuple | None, cp.ndarray]:
         """The decoder layers over the first n rows of the activation buffers; the
         residual stream ends un-added (the last down projection is added by the caller,
         with the scales returned: see _linear). rope: (positions, k_ptrs, v_ptrs) of the n
-        tokens; attention(layer_offset) reads q_rot and writes attn_out. With float8 products
+        tokens; attention(layer_offset) reads q_rot and writes attn_out. kv_lens (n one-token
+        rows' key counts): each layer's attention block runs as one kernel instead
+        (_attn_block), and `attention` is not called. With float8 products
         the normed rows and SiLU * up go to them as codes only (_quant_in). Returns (those
         scales, the residual stream's buffer: embed_out, or res_alt where _fold_norms left
         it there)."""
@@ -602,7 +636,8 @@ class CudaRunner:
         normed_q, act_q = self._quant_in(n, cfg.hidden_size), self._quant_in(n, cfg.intermediate_size)
         # the residual stream's buffers: [the one holding it, the other]; a folded norm with a
         # delta reads the first and writes the sum to the second, which then holds the stream
-        res = [b.embed_out[:n], b.res_alt[:n] if fold else None]
+        block = kv_lens is not None
+        res = [b.embed_out[:n], b.res_alt[:n] if fold or block else None]
 
         def folded(delta: cp.ndarray | None, weight: cp.ndarray, bias: cp.ndarray | None = None) -> NormIn:
             norm = NormIn(res[0], weight, eps, delta, bias, res[1] if delta is not None else None)
@@ -611,6 +646,9 @@ class CudaRunner:
             return norm
 
         for i, layer in enumerate(w.layers):
+            if block:
+                self._layer_block(n, i, layer, res, rope, kv_lens, fold)
+                continue
             norm = None
             if fold:
                 norm = folded(None if i == 0 else b.down_out[:n], layer.input_layernorm)
@@ -651,6 +689,31 @@ class CudaRunner:
             down_scales = self._linear(b.mlp_act[:n], layer.down_proj, b.down_out[:n], xq=act_q)
         return down_scales, res[0]
 
+    def _layer_block(self, n: int, i: int, layer, res: list, rope: tuple, kv_lens: cp.ndarray, fold: bool) -> None:
+        """Layer i of _layers with its attention block in one kernel (_attn_block): that
+        kernel (norming res[0] + the last down product), the post-attention norm adding its
+        o parts (folded into gate/up where _fold_norms), gate/up + SiLU, down. res: the
+        residual stream's two buffers, swapped where a kernel wrote the sum to the other."""
+        cfg, b = self.config, self.buffers
+        eps, pdl = cfg.rms_norm_eps, self._launch_pdl
+        delta = None if i == 0 else b.down_out[:n]
+        parts = b.o_parts[:, :n]
+        attn_block_module.attn_block(
+            res[0], delta, layer.input_layernorm, eps, res[1], layer.qkv_proj, layer.qkv_bias, layer.o_proj,
+            rope[0], self.rope_cos, self.rope_sin, rope[1], rope[2], kv_lens, i * self._layer_elems, cfg.num_heads,
+            cfg.num_kv_heads, parts, cfg.softmax_scale, cfg.sliding_window or 0, pdl=pdl, kv_fp8=self.kv_fp8)
+        if delta is not None:
+            res.reverse()
+        norm = None
+        if fold:
+            norm = NormIn(res[0], layer.post_attention_layernorm, eps, parts, layer.o_bias, res[1])
+            res.reverse()
+        else:
+            add_rms_norm(res[0], parts, layer.post_attention_layernorm, eps, out=b.norm_out[:n], bias=layer.o_bias,
+                         pdl=pdl)
+        gemv_silu(b.norm_out[:n], layer.gate_up_proj, b.mlp_act[:n], pdl=pdl, norm=norm)
+        self._linear(b.mlp_act[:n], layer.down_proj, b.down_out[:n])
+
     def _decode_attention(self, n: int, q: cp.ndarray, k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, kv_lens: cp.ndarray,
                           offset: int) -> None:
         """Split-KV attention of n one-token rows, with the split plan of their bucket."""
@@ -679,7 +742,8 @@ class CudaRunner:
         def attention(offset: int) -> None:
             self._decode_attention(n, b.q_rot[:n], d["k_ptrs"][:n], d["v_ptrs"][:n], d["kv_lens"][:n], offset)
 
-        down_scales, residual = self._layers(n, (d["positions"][:n], d["k_ptrs"][:n], d["v_ptrs"][:n]), attention)
+        down_scales, residual = self._layers(n, (d["positions"][:n], d["k_ptrs"][:n], d["v_ptrs"][:n]), attention,
+                                             kv_lens=d["kv_lens"][:n] if self._attn_block(n) else None)
         # the final norm is a kernel of its own even where _fold_norms: the LM head has the most
         # blocks, each of which would norm the row again (H200, SmolLM2 B=1 graph 0.404 -> 0.400 ms)
         add_rms_norm(residual, b.down_out[:n], w.norm, cfg.rms_norm_eps, out=b.final_norm_out[:n],
