@@ -146,6 +146,36 @@ __device__ __forceinline__ void kv8_to_float(const kv_t *p, float f[8]) {
 #endif
 }
 
+// out(r, W[r] . x) for the rows r of an (NROWS, WIDTH) 16-bit matrix W in shared memory, a warp
+// taking rows warp, warp + WARPS, ... together (their loads and sums interleave: a row at a time
+// took ~2x as long); x8(u, f) gives x's 8 values of 16-byte group u as floats.
+template <int NROWS, int WIDTH, class X8, class Out>
+__device__ __forceinline__ void warp_rows(const scalar_t *w, X8 x8, Out out) {
+    constexpr int ROWS = (NROWS + WARPS - 1) / WARPS;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    float acc[ROWS];
+#pragma unroll
+    for (int k = 0; k < ROWS; k++) acc[k] = 0.0f;
+    for (int u = lane; u < WIDTH / 8; u += 32) {
+        float xf[8];
+        x8(u, xf);
+#pragma unroll
+        for (int k = 0; k < ROWS; k++) {
+            const int r = warp + k * WARPS;
+            if (r >= NROWS) break;
+            float wf[8];
+            vec8_to_float(*reinterpret_cast<const vec8 *>(w + r * WIDTH + u * 8), wf);
+#pragma unroll
+            for (int e = 0; e < 8; e++) acc[k] = fmaf(wf[e], xf[e], acc[k]);
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < ROWS; k++) acc[k] = warp_sum(acc[k]);
+#pragma unroll
+    for (int k = 0; k < ROWS; k++)
+        if (lane == 0 && warp + k * WARPS < NROWS) out(warp + k * WARPS, acc[k]);
+}
+
 // the weight row of entry t of cluster g's QKV rows: q of heads g GROUP .., then k, then v
 __device__ __forceinline__ long long qkv_row(int t, int g, int heads, int kv_heads) {
     if (t < QW) return (long long)g * QW + t;
@@ -275,31 +305,10 @@ extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(THREADS, 1) attn_block
     mbar_wait(&wbar, 0);  // the weights; the two tiles may still be on their way
     __syncthreads();
 
-    // ---- this block's QKV rows: a warp a row
-    {  // rows warp, warp + WARPS, ... together (their loads and sums interleave)
-        constexpr int ROWS = (RC + WARPS - 1) / WARPS;
-        float acc[ROWS];
-#pragma unroll
-        for (int k = 0; k < ROWS; k++) acc[k] = 0.0f;
-        for (int u = lane; u < HIDDEN / 8; u += 32) {
-            float xf[8];
-            vec8_to_float(*reinterpret_cast<const vec8 *>(sX + u * 8), xf);
-#pragma unroll
-            for (int k = 0; k < ROWS; k++) {
-                const int r = warp + k * WARPS;
-                if (r >= RC) break;
-                float wf[8];
-                vec8_to_float(*reinterpret_cast<const vec8 *>(sW + r * HIDDEN + u * 8), wf);
-#pragma unroll
-                for (int e = 0; e < 8; e++) acc[k] = fmaf(wf[e], xf[e], acc[k]);
-            }
-        }
-#pragma unroll
-        for (int k = 0; k < ROWS; k++) acc[k] = warp_sum(acc[k]);
-#pragma unroll
-        for (int k = 0; k < ROWS; k++)
-            if (lane == 0 && warp + k * WARPS < RC) F[F_QKV + warp + k * WARPS] = acc[k];
-    }
+    // ---- this block's QKV rows (warp_rows)
+    warp_rows<RC, HIDDEN>(
+        sW, [&](int u, float f[8]) { vec8_to_float(*reinterpret_cast<const vec8 *>(sX + u * 8), f); },
+        [&](int r, float v) { F[F_QKV + r] = v; });
     cluster_sync();  // every block's rows are in its shared memory
     for (int t = tid; t < RW; t += THREADS) {
         float v = *peer(F + F_QKV + t % RC, t / RC);
@@ -426,32 +435,15 @@ extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(THREADS, 1) attn_block
     }
     __syncthreads();
 
-    // ---- this block's output features over the group's heads: a warp a feature
+    // ---- this block's output features over the group's heads (warp_rows)
     float *op = out_parts + g * part_stride + (long long)b * HIDDEN + c * OC;
-    {  // features warp, warp + WARPS, ... together, as the QKV rows
-        constexpr int ROWS = (OC + WARPS - 1) / WARPS;
-        float acc[ROWS];
-#pragma unroll
-        for (int k = 0; k < ROWS; k++) acc[k] = 0.0f;
-        for (int u = lane; u < QW / 8; u += 32) {
+    warp_rows<OC, QW>(
+        sO,
+        [&](int u, float f[8]) {
             const float4 a0 = *reinterpret_cast<const float4 *>(F + F_ATTN + u * 8);
             const float4 a1 = *reinterpret_cast<const float4 *>(F + F_ATTN + u * 8 + 4);
-            const float af[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-#pragma unroll
-            for (int k = 0; k < ROWS; k++) {
-                const int r = warp + k * WARPS;
-                if (r >= OC) break;
-                float wf[8];
-                vec8_to_float(*reinterpret_cast<const vec8 *>(sO + r * QW + u * 8), wf);
-#pragma unroll
-                for (int e = 0; e < 8; e++) acc[k] = fmaf(wf[e], af[e], acc[k]);
-            }
-        }
-#pragma unroll
-        for (int k = 0; k < ROWS; k++) acc[k] = warp_sum(acc[k]);
-#pragma unroll
-        for (int k = 0; k < ROWS; k++)
-            if (lane == 0 && warp + k * WARPS < OC) op[warp + k * WARPS] = acc[k];
-    }
+            f[0] = a0.x, f[1] = a0.y, f[2] = a0.z, f[3] = a0.w, f[4] = a1.x, f[5] = a1.y, f[6] = a1.z, f[7] = a1.w;
+        },
+        [&](int r, float v) { op[r] = v; });
     cluster_sync();  // no block leaves while another may still read its shared memory
 }
