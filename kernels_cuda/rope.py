@@ -17,9 +17,10 @@ ROPE_THREADS = 128
 
 
 def check_rope_args(T: int, width: int, positions: cp.ndarray, cos: cp.ndarray, sin: cp.ndarray,
-                    k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, q_out: cp.ndarray, num_heads: int, head_dim: int,
+                    k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, q_out: cp.ndarray | None, num_heads: int, head_dim: int,
                     bias: cp.ndarray | None) -> None:
-    """The checks rope_kv_write and the fused QKV product (gemv.gemv_rope) share."""
+    """The checks rope_kv_write, the fused QKV product (gemv.gemv_rope) and the attention block
+    (attn_block, which keeps q to itself: q_out None) share."""
     check(positions, "positions", np.int32, (T,))
     check(cos, "cos", np.float32)
     check(sin, "sin", np.float32, cos.shape)
@@ -27,8 +28,9 @@ def check_rope_args(T: int, width: int, positions: cp.ndarray, cos: cp.ndarray, 
         raise ValueError(f"cos: expected (max_len, {head_dim // 2}), got {cos.shape}")
     check(k_ptrs, "k_ptrs", np.int64, (T,))
     check(v_ptrs, "v_ptrs", np.int64, (T,))
-    check_scalar(q_out, "q_out")
-    check(q_out, "q_out", q_out.dtype, (T, num_heads, head_dim))
+    if q_out is not None:
+        check_scalar(q_out, "q_out")
+        check(q_out, "q_out", q_out.dtype, (T, num_heads, head_dim))
     if bias is not None:
         check(bias, "bias", np.float32, (width,))
 

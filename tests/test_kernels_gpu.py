@@ -765,6 +765,7 @@ def test_attn_block(dtype, kv8, shape, window, with_bias):
     a tile after the first two; a padding row), and o in a part per KV head. The residual
     sum goes to res_out; each row's bits do not depend on the other rows."""
     from kernels_cuda.attn_block import attn_block, supported
+    from kernels_cuda.gemv import NormIn
     hidden, H, KVH, D = shape
     if kv8 and D % 16:
         pytest.skip("e4m3 K/V rows of whole 16-byte pieces")
@@ -782,7 +783,7 @@ def test_attn_block(dtype, kv8, shape, window, with_bias):
     inv = 1.0 / 10000 ** (np.arange(0, D, 2) / D)
     ang = np.arange(region)[:, None] * inv[None]
     cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
-    kv, kp, vp, pool = kv_cache_rows(kv8, B, region, KVH, D, dtype)
+    _, kp, vp, pool = kv_cache_rows(kv8, B, region, KVH, D, dtype)
     pool_before = cp.asnumpy(pool)
     args = {"w_qkv": to_dev(w_qkv, dtype), "w_o": to_dev(w_o, dtype), "cos": cp.asarray(cos), "sin": cp.asarray(sin)}
 
@@ -790,10 +791,10 @@ def test_attn_block(dtype, kv8, shape, window, with_bias):
         n = len(rows)
         store = cp.full((KVH, 8, hidden), np.nan, np.float32)
         res_out = cp.full((n, hidden), np.nan, np.float32)
-        attn_block(cp.asarray(res[rows]), cp.asarray(delta[rows]), cp.asarray(norm_w), 1e-5, res_out, args["w_qkv"],
-                   cp.asarray(bias) if with_bias else None, args["w_o"], cp.asarray(pos[rows]), args["cos"],
-                   args["sin"], kp[rows], vp[rows], cp.asarray(lens[rows]), 0, H, KVH, store[:, :n], D ** -0.5,
-                   window=window, kv_fp8=kv8)
+        norm = NormIn(cp.asarray(res[rows]), cp.asarray(norm_w), 1e-5, cp.asarray(delta[rows]), None, res_out)
+        attn_block(norm, args["w_qkv"], cp.asarray(bias) if with_bias else None, args["w_o"], cp.asarray(pos[rows]),
+                   args["cos"], args["sin"], kp[rows], vp[rows], cp.asarray(lens[rows]), 0, H, KVH, store[:, :n],
+                   D ** -0.5, window=window, kv_fp8=kv8)
         return cp.asnumpy(store[:, :n]), cp.asnumpy(res_out)
 
     parts, res_out = run(np.arange(B))

@@ -647,7 +647,7 @@ class CudaRunner:
 
         for i, layer in enumerate(w.layers):
             if block:
-                self._layer_block(n, i, layer, res, rope, kv_lens, fold)
+                self._layer_block(n, i, layer, res, folded, rope, kv_lens, fold)
                 continue
             norm = None
             if fold:
@@ -689,28 +689,26 @@ class CudaRunner:
             down_scales = self._linear(b.mlp_act[:n], layer.down_proj, b.down_out[:n], xq=act_q)
         return down_scales, res[0]
 
-    def _layer_block(self, n: int, i: int, layer, res: list, rope: tuple, kv_lens: cp.ndarray, fold: bool) -> None:
+    def _layer_block(self, n: int, i: int, layer, res: list, folded, rope: tuple, kv_lens: cp.ndarray,
+                     fold: bool) -> None:
         """Layer i of _layers with its attention block in one kernel (_attn_block): that
         kernel (norming res[0] + the last down product), the post-attention norm adding its
-        o parts (folded into gate/up where _fold_norms), gate/up + SiLU, down. res: the
-        residual stream's two buffers, swapped where a kernel wrote the sum to the other."""
+        o parts (folded into gate/up where fold), gate/up + SiLU, down. res, folded: _layers'
+        residual stream's two buffers and the NormIn maker that swaps them."""
         cfg, b = self.config, self.buffers
-        eps, pdl = cfg.rms_norm_eps, self._launch_pdl
-        delta = None if i == 0 else b.down_out[:n]
+        pdl = self._launch_pdl
         parts = b.o_parts[:, :n]
         attn_block_module.attn_block(
-            res[0], delta, layer.input_layernorm, eps, res[1], layer.qkv_proj, layer.qkv_bias, layer.o_proj,
-            rope[0], self.rope_cos, self.rope_sin, rope[1], rope[2], kv_lens, i * self._layer_elems, cfg.num_heads,
-            cfg.num_kv_heads, parts, cfg.softmax_scale, cfg.sliding_window or 0, pdl=pdl, kv_fp8=self.kv_fp8)
-        if delta is not None:
-            res.reverse()
+            folded(None if i == 0 else b.down_out[:n], layer.input_layernorm), layer.qkv_proj, layer.qkv_bias,
+            layer.o_proj, rope[0], self.rope_cos, self.rope_sin, rope[1], rope[2], kv_lens, i * self._layer_elems,
+            cfg.num_heads, cfg.num_kv_heads, parts, cfg.softmax_scale, cfg.sliding_window or 0, pdl=pdl,
+            kv_fp8=self.kv_fp8)
         norm = None
         if fold:
-            norm = NormIn(res[0], layer.post_attention_layernorm, eps, parts, layer.o_bias, res[1])
-            res.reverse()
+            norm = folded(parts, layer.post_attention_layernorm, layer.o_bias)
         else:
-            add_rms_norm(res[0], parts, layer.post_attention_layernorm, eps, out=b.norm_out[:n], bias=layer.o_bias,
-                         pdl=pdl)
+            add_rms_norm(res[0], parts, layer.post_attention_layernorm, cfg.rms_norm_eps, out=b.norm_out[:n],
+                         bias=layer.o_bias, pdl=pdl)
         gemv_silu(b.norm_out[:n], layer.gate_up_proj, b.mlp_act[:n], pdl=pdl, norm=norm)
         self._linear(b.mlp_act[:n], layer.down_proj, b.down_out[:n])
 
