@@ -25,7 +25,10 @@
 // small step spreads over more blocks; the host keeps SHORT / KEYS within the grid's splits),
 // -DMIN_BLOCKS (launch bounds), -DKV_FP8 (e4m3 cache: the byte tiles stay as they arrive and
 // each lane converts its own fragments, with keys and dims permuted inside a tile so that a
-// lane reads whole 32-bit words).
+// lane reads whole 32-bit words), -DSWAP (KV_FP8 and GROUP <= 8: the keys are the MMA's 16
+// rows and the group's heads its 8 columns, S^T = K q^T and O^T += V^T P^T, q in registers;
+// a 16-row query tile of <= 8 heads wasted half its MMAs, conversions aside, and its softmax.
+// The 16-bit tiles, bound by memory already, gained nothing from it).
 // Dynamic shared memory: flash_decode.smem_bytes(). KV pool layout: (layers, slots,
 // kv_heads, HEAD_DIM); row b's keys start at k_ptrs[b] + layer_offset.
 #include "common.cuh"
@@ -49,6 +52,9 @@
 #ifndef MIN_BLOCKS  // blocks an SM to fit (flash_decode.py: 4 for large fp8 grids, 128 registers a thread)
 #define MIN_BLOCKS 1
 #endif
+#ifndef SWAP  // fp8 K/V, <= 8 heads a group: keys as the MMA's rows, heads as its 8 columns
+#define SWAP 0
+#endif
 #define WARPS 4
 #define KEYS 64                 // keys per tile, 16 per warp
 #define LDS (HEAD_DIM + 8)      // shared row stride (elements), as in flash_prefill
@@ -59,6 +65,7 @@ constexpr int OTILES = HEAD_DIM / 8;   // 8-wide column tiles of the output
 constexpr int VEC = HEAD_DIM / 8;      // 16-byte groups per row
 static_assert(GROUP <= 16, "a query tile holds 16 heads");
 static_assert(CHUNK % KEYS == 0, "CHUNK must be a multiple of KEYS");
+static_assert(!SWAP || (KV_FP8 && GROUP <= 8), "SWAP: fp8 K/V and at most 8 heads a group");
 
 #if KV_FP8
 #define SROW (HEAD_DIM + 16)  // bytes from one staged K/V row to the next (16-byte aligned, spreads banks)
@@ -73,9 +80,87 @@ __device__ __forceinline__ int key_of(int j, int c) { return 8 * j + c; }
 __device__ __forceinline__ int out_dim(int j, int c) { return 8 * j + c; }
 #endif
 
+__device__ __forceinline__ unsigned movmatrix_trans(unsigned x) {  // an 8x8 16-bit matrix, transposed
+    unsigned y;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+    return y;
+}
+
 __device__ __forceinline__ int window_start(int kv_len, int window) {
     return window > 0 && kv_len > window ? kv_len - window : 0;
 }
+
+#if SWAP
+// One warp's 16 keys of a tile with the keys as the MMA's rows: S^T (16 keys x 8 heads) =
+// K q^T, then O^T (dims x heads) += V^T P^T, so a group of <= 8 heads fills the MMA's 8
+// columns instead of a 16-row query tile (half the MMAs and half the softmax of the other
+// form). Lane (g, q) holds keys g, g + 8 of heads 2q, 2q + 1; each head's max runs over the
+// 8 lanes of its q. P^T reaches the B operand by transposing its two 8x8 halves in
+// registers. cK / cV: the warp's 16 staged K / V rows; live: keys of the 16 that are in the
+// split (the rest are masked). O^T tile j, rows g and g + 8: dims swap_dim(j, g) and
+// swap_dim(j, g) + 2 (tile 2u + e: dims 32u + 4g + e and + 2, so that a lane reads whole V words).
+__device__ __forceinline__ int swap_dim(int j, int g) { return 32 * (j >> 1) + 4 * g + (j & 1); }
+__device__ __forceinline__ void swapped_tile(const kv_t *cK, const kv_t *cV, const unsigned (&qf)[KSTEPS][2],
+                                             float (&o)[HEAD_DIM / 16][4], float m_run[2], float l_run[2],
+                                             int live, float scale2) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, qd = lane & 3;
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // (key g, heads 2q, 2q + 1), (key g + 8, the same heads)
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS; kk++) {  // K word of dims 4q..4q+3 -> k slots 2q, 2q+1 and 2q+8, 2q+9
+        unsigned a0, a1, a2, a3;
+        fp8x4_to_scalar2x2(*reinterpret_cast<const unsigned *>(cK + g * SROW + kk * 16 + 4 * qd), a0, a2);
+        fp8x4_to_scalar2x2(*reinterpret_cast<const unsigned *>(cK + (g + 8) * SROW + kk * 16 + 4 * qd), a1, a3);
+        mma_16816(s, a0, a1, a2, a3, qf[kk][0], qf[kk][1]);
+    }
+    if (live < 16) {
+        if (g >= live) s[0] = s[1] = NEG_INF;
+        if (g + 8 >= live) s[2] = s[3] = NEG_INF;
+    }
+    float corr[2];
+#pragma unroll
+    for (int c = 0; c < 2; c++) {
+        float mx = fmaxf(s[c], s[2 + c]);
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+        const float m_new = fmaxf(m_run[c], mx * scale2);
+        const float base = m_new == NEG_INF ? 0.0f : m_new;
+        corr[c] = exp2f(m_run[c] - base);
+        m_run[c] = m_new;
+        s[c] = exp2f(fmaf(s[c], scale2, -base));
+        s[2 + c] = exp2f(fmaf(s[2 + c], scale2, -base));
+        l_run[c] = l_run[c] * corr[c] + s[c] + s[2 + c];
+    }
+    if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
+#pragma unroll
+        for (int j = 0; j < HEAD_DIM / 16; j++) {
+            o[j][0] *= corr[0];
+            o[j][1] *= corr[1];
+            o[j][2] *= corr[0];
+            o[j][3] *= corr[1];
+        }
+    }
+    // P^T: k slots 2q, 2q + 1 (keys 2q, 2q + 1) and 2q + 8, 2q + 9 of column g (head g)
+    const unsigned p0 = movmatrix_trans(pack2(s[0], s[1])), p1 = movmatrix_trans(pack2(s[2], s[3]));
+    // V^T tile 2u + e from the lane's V words of keys 2q, 2q + 1, 2q + 8, 2q + 9 (one byte
+    // permute gives a key pair at both of the lane's dims)
+#pragma unroll
+    for (int u = 0; u < HEAD_DIM / 32; u++) {
+        unsigned w[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            w[i] = *reinterpret_cast<const unsigned *>(cV + (2 * qd + (i & 1) + 8 * (i >> 1)) * SROW + 32 * u + 4 * g);
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            const unsigned sel = e == 0 ? 0x6240u : 0x7351u;
+            unsigned a0, a1, a2, a3;
+            fp8x4_to_scalar2x2(__byte_perm(w[0], w[1], sel), a0, a1);
+            fp8x4_to_scalar2x2(__byte_perm(w[2], w[3], sel), a2, a3);
+            mma_16816(o[2 * u + e], a0, a1, a2, a3, p0, p1);
+        }
+    }
+}
+#endif
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_decode_chunk(
     const scalar_t *__restrict__ q,         // (B, H, HEAD_DIM)
@@ -108,9 +193,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_decode_c
     const long long row0 = (long long)b * num_heads + h0;  // (row, head) of the group's first head
 
     extern __shared__ __align__(128) unsigned char smem[];
-    scalar_t *sQ = reinterpret_cast<scalar_t *>(smem);  // 16 x LDS
+    scalar_t *sQ = reinterpret_cast<scalar_t *>(smem);  // 16 x LDS (SWAP: none, q goes to registers)
 #if KV_FP8  // byte tiles, double-buffered; the MMA fragments are converted from them directly
-    unsigned char *st = reinterpret_cast<unsigned char *>(sQ + 16 * LDS);  // [2][K, V][KEYS][SROW]
+    unsigned char *st = reinterpret_cast<unsigned char *>(sQ + (SWAP ? 0 : 16 * LDS));  // [2][K, V][KEYS][SROW]
     float *scratch_a = reinterpret_cast<float *>(st), *scratch_b = reinterpret_cast<float *>(st + 2 * KEYS * SROW);
 #else
     scalar_t *sK = sQ + 16 * LDS;        // 2 x KEYS x LDS
@@ -141,18 +226,33 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_decode_c
     load_kv(0, own_in_first ? own : -1);
     cp_async_commit();
     PDL_ENTER();
+#if !SWAP
     for (int i = tid; i < 16 * VEC; i += THREADS) {
         const int r = i / VEC, c = (i % VEC) * 8;
         const bool ok = r < GROUP;
         cp_async16(sQ + r * LDS + c, q + (row0 + (ok ? r : 0)) * HEAD_DIM + c, ok);
     }
+#endif
     if (own_in_first)  // the own key's row, where tile 0 left it out
         load_kv_tile<1, HEAD_DIM, THREADS>(k_tile(0) + (own - start) * STRIDE, v_tile(0) + (own - start) * STRIDE,
                                            STRIDE, kb, vb, kv_stride, own, own + 1, start);
     cp_async_commit();
+
+#if SWAP  // q^T as the B operand, straight from global memory: k slots 2q, 2q+1 / 2q+8, 2q+9
+          // hold dims 4q, 4q+1 / 4q+2, 4q+3 (as K's words); column g is head g (zero past the group)
+    unsigned qf[KSTEPS][2];
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS; kk++) {
+        const uint2 w = g < GROUP ? *reinterpret_cast<const uint2 *>(q + (row0 + g) * HEAD_DIM + kk * 16 + 4 * qd)
+                                  : make_uint2(0u, 0u);
+        qf[kk][0] = w.x;
+        qf[kk][1] = w.y;
+    }
+    cp_async_wait<0>();  // tile 0 has landed
+    __syncthreads();
+#else
     cp_async_wait<0>();  // Q and tile 0 have landed
     __syncthreads();
-
     unsigned qf[KSTEPS][4];
 #pragma unroll
     for (int kk = 0; kk < KSTEPS; kk++) {
@@ -167,11 +267,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_decode_c
         ldsm_x4(qf[kk], sQ + (lane & 15) * LDS + kk * 16 + (lane >> 4) * 8);
 #endif
     }
+#endif
 
-    float o[OTILES][4];
+    float o[SWAP ? HEAD_DIM / 16 : OTILES][4];  // SWAP: O^T tiles, 16 dims x 8 heads
 #pragma unroll
-    for (int j = 0; j < OTILES; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
-    float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.0f, 0.0f};  // rows g and g + 8, log2 domain
+    for (int j = 0; j < (SWAP ? HEAD_DIM / 16 : OTILES); j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+    // rows g and g + 8 (SWAP: heads 2q and 2q + 1), log2 domain
+    float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.0f, 0.0f};
     const float scale2 = scale * 1.4426950408889634f;
 
     for (int t = 0; t < n_tiles; t++) {
@@ -180,6 +282,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_decode_c
         cp_async_wait<1>();  // tile t has landed
         __syncthreads();
         const int n0 = start + t * KEYS + warp * 16;  // this warp's 16 keys
+#if SWAP
+        if (n0 < end)
+            swapped_tile(k_tile(t) + warp * 16 * STRIDE, v_tile(t) + warp * 16 * STRIDE, qf, o, m_run, l_run, end - n0,
+                         scale2);
+#else
         if (n0 < end) {
             float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
 #if KV_FP8
@@ -245,18 +352,35 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_decode_c
             }
 #endif
         }
+#endif
         __syncthreads();  // everyone is done with buffer t & 1 before tile t + 2 overwrites it
     }
 #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
-        l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
-    }
+    for (int r = 0; r < 2; r++)  // a row's (SWAP: a head's) sum over the lanes that hold its keys
+#pragma unroll
+        for (int x = SWAP ? 4 : 1; x < (SWAP ? 32 : 4); x *= 2) l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], x);
 
     // combine the warps (in the K/V tiles' memory; every load has landed and been used)
     float *red_m = scratch_a;                      // [WARPS][GROUP]
     float *red_l = red_m + WARPS * GROUP;          // [WARPS][GROUP]
     float *red_o = red_l + WARPS * GROUP;          // [WARPS][GROUP][HEAD_DIM]
+#if SWAP  // lane (g, q) holds heads 2q, 2q + 1 of dims swap_dim(j, g) (+ 2) in O^T tile j
+#pragma unroll
+    for (int c = 0; c < 2; c++) {
+        const int h = 2 * qd + c;
+        if (h >= GROUP) continue;
+        if (g == 0) {
+            red_m[warp * GROUP + h] = m_run[c];
+            red_l[warp * GROUP + h] = l_run[c];
+        }
+#pragma unroll
+        for (int j = 0; j < HEAD_DIM / 16; j++) {
+            const int d = swap_dim(j, g);
+            red_o[(warp * GROUP + h) * HEAD_DIM + d] = o[j][c];
+            red_o[(warp * GROUP + h) * HEAD_DIM + d + 2] = o[j][2 + c];
+        }
+    }
+#else
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         const int row = g + 8 * r;
@@ -271,6 +395,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_decode_c
             red_o[(warp * GROUP + row) * HEAD_DIM + out_dim(j, 2 * qd + 1)] = o[j][2 * r + 1];
         }
     }
+#endif
     __syncthreads();
     // a row's only split writes its output, normalised: no partials to combine
     float *po = part_o + row0 * head_stride + (long long)split * HEAD_DIM;

@@ -22,11 +22,18 @@ def min_blocks(blocks: int, head_dim: int, group: int, kv_fp8: bool) -> int:
     return 4 if kv_fp8 and head_dim <= 128 and group <= 8 and blocks >= 4 * sm_count() else 1
 
 
-def smem_bytes(head_dim: int, kv_fp8: bool = False) -> int:
-    """The 16-row query tile and double-buffered K and V tiles, rows padded by 8 elements
-    (fp8: byte rows padded by 16 bytes)."""
+def swapped(group: int, kv_fp8: bool) -> bool:
+    """fp8 K/V with at most 8 query heads a KV head: the kernel's form with the keys as the
+    MMA's rows and the group's heads as its 8 columns (q in registers, no query tile). The
+    16-bit tiles, bound by memory, gained nothing from it (H200, 8B and SmolLM2 shapes)."""
+    return kv_fp8 and group <= 8
+
+
+def smem_bytes(head_dim: int, kv_fp8: bool = False, group: int = 16) -> int:
+    """The 16-row query tile (none in the swapped form) and double-buffered K and V tiles,
+    rows padded by 8 elements (fp8: byte rows padded by 16 bytes)."""
     if kv_fp8:
-        return 2 * 16 * (head_dim + 8) + 4 * KEYS * (head_dim + 16)
+        return (0 if swapped(group, kv_fp8) else 2 * 16 * (head_dim + 8)) + 4 * KEYS * (head_dim + 16)
     return 2 * (16 + 4 * KEYS) * (head_dim + 8)
 
 
@@ -72,8 +79,9 @@ def flash_decode(q: cp.ndarray, k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, kv_lens:
     check(out, "out", q.dtype, (B, H, D))
     group = H // num_kv_heads
     mod = module("flash_decode", USE_BF16=use_bf16(q), HEAD_DIM=D, GROUP=group, CHUNK=chunk, KV_FP8=int(kv_fp8),
-                 WHOLE=whole, SHORT=short, MIN_BLOCKS=min_blocks(B * num_kv_heads * S, D, group, kv_fp8))
-    smem = smem_bytes(D, kv_fp8)
+                 WHOLE=whole, SHORT=short, MIN_BLOCKS=min_blocks(B * num_kv_heads * S, D, group, kv_fp8),
+                 SWAP=int(swapped(group, kv_fp8)))
+    smem = smem_bytes(D, kv_fp8, group)
     launch(function(mod, "flash_decode_chunk", smem), (S, num_kv_heads, B), (CHUNK_THREADS,),
            (q, k_ptrs, v_ptrs, kv_lens, i64(layer_offset), part_o, part_ml, counters, out, i32(H), i32(num_kv_heads),
             i32(S), i32(window), f32(scale)), shared_mem=smem, pdl=pdl)

@@ -21,7 +21,9 @@ ARCHS = ("-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,
 FP8_ARCHS = ("-gencode", "arch=compute_90,code=sm_90")  # the e4m3 conversions need sm_89+
 # per family, the -D constant sets it is built with at run time (a representative few)
 VARIANTS = {"flash_decode": [{"HEAD_DIM": 64, "GROUP": 3}, {"HEAD_DIM": 128, "GROUP": 4},
-                             {"HEAD_DIM": 128, "GROUP": 4, "KV_FP8": 1, "WHOLE": 256}],
+                             {"HEAD_DIM": 128, "GROUP": 4, "KV_FP8": 1, "WHOLE": 256},
+                             {"HEAD_DIM": 128, "GROUP": 4, "KV_FP8": 1, "SWAP": 1, "MIN_BLOCKS": 4},
+                             {"HEAD_DIM": 128, "GROUP": 16, "KV_FP8": 1}],
             "flash_prefill": [{"HEAD_DIM": 64}, {"HEAD_DIM": 128}, {"HEAD_DIM": 128, "KV_FP8": 1},
                               {"HEAD_DIM": 128, "KV_FP8": 1, "HEADS": 2}, {"HEAD_DIM": 64, "HEADS": 4}],
             "rope": [{"HEAD_DIM": 64}, {"HEAD_DIM": 128}, {"HEAD_DIM": 64, "KV_FP8": 1}, {"HEAD_DIM": 128, "PROD": 1},
