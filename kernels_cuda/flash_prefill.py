@@ -41,6 +41,8 @@ def tiles(q_lens: np.ndarray, kv_lens: np.ndarray | None = None) -> tuple[np.nda
     with the most keys first (kv_lens: each sequence's keys with its chunk, q_lens where
     omitted), so that a launch's longest blocks do not start last."""
     q_lens = np.asarray(q_lens, np.int64)
+    if q_lens.size == 0:  # a ragged step of one-token rows only: no prompt tiles
+        return np.zeros(0, np.int32), np.zeros(0, np.int32)
     kv = q_lens if kv_lens is None else np.asarray(kv_lens, np.int64)
     counts = -(-q_lens // BLOCK_M)
     tile_seq = np.repeat(np.arange(len(q_lens), dtype=np.int32), counts)

@@ -154,6 +154,42 @@ def test_mixed_step_attention_on_two_streams_gives_the_same_bits(tmp_path, kv_dt
     np.testing.assert_array_equal(got[True][0], got[False][0])
 
 
+@pytest.mark.parametrize("kv_dtype,quant", [("auto", None), ("fp8", "fp8")])
+def test_warm_up_leaves_serving_steps_nothing_to_build(tmp_path, kv_dtype, quant, monkeypatch):
+    """Building the runner runs its ragged path at each power of two of tokens up to the step
+    budget (_warm_up), so the steps serving makes next build no kernel module and query no
+    cuBLASLt algorithm: no compile lands in a first request's time to first token. Prompts
+    alone (past the wide kernels' 512 rows), decode rows beside a short prompt, a chunk
+    after a prefix, a few tokens; each sampling."""
+    from kernels_cuda import _module, gemm
+    monkeypatch.setattr(_module, "_MODULES", {})  # what other tests built does not count
+    monkeypatch.setattr(gemm, "_lt", None)
+    model = load_model(str(build_tiny_model(tmp_path, "llama_hd64", seed=5)), with_tokenizer=False)
+    gpu = cuda_runner(model, max_model_len=REGION, kv_dtype=kv_dtype, quantization=quant)
+    built = set(_module._MODULES)
+    algos = set(gemm._lt.algos) if gemm._lt is not None else set()
+    r = np.random.default_rng(6)
+
+    def prompt(n: int) -> list[int]:
+        return r.integers(0, VOCAB, n).tolist()
+
+    def row(seq: int, tokens: list[int], start: int, sample: bool = True) -> ScheduledSeq:
+        return ScheduledSeq(seq, tokens, start, seq * REGION, sample, SamplingParams(temperature=0.0) if sample else None)
+
+    steps = [[row(0, prompt(300), 0), row(1, prompt(500), 0)],
+             [row(0, [5], 300), row(1, [6], 500), row(2, prompt(3), 0)],
+             [row(3, prompt(200), 250)],
+             [row(4, prompt(9), 0)],
+             # one-token rows only, one of them a prompt's first chunk that samples nothing: the
+             # ragged path with no prompt tiles (flash_prefill.tiles of nothing)
+             [row(4, [8], 9), row(5, prompt(1), 0, sample=False)]]
+    for step in steps:  # every sampling row gets its token
+        assert set(gpu.execute(SchedulerOutput(step)).sampled) == {x.seq_id for x in step if x.sample}
+    assert set(_module._MODULES) == built, sorted(set(_module._MODULES) - built)
+    if quant:
+        assert set(gemm._lt.algos) == algos, sorted(set(gemm._lt.algos) - algos)
+
+
 @pytest.mark.parametrize("name,kv_dtype", [("llama_hd64", "auto"), ("llama_hd64", "fp8"), ("qwen2", "auto"),
                                            ("mistral", "auto")])
 def test_attention_block_in_one_kernel_matches_the_separate_kernels(tmp_path, name, kv_dtype, monkeypatch):

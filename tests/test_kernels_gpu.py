@@ -671,6 +671,7 @@ def test_flash_prefill(kv8, heads, window):
     q_start = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int32)
     q = rng.standard_normal((T, H, D)).astype(np.float32)
     kv, kp, vp, _pool = kv_cache_rows(kv8, S, region, KVH, D)
+    assert all(t.size == 0 for t in fp.tiles(np.zeros(0, np.int32), np.zeros(0, np.int32)))  # one-token rows only
     tile_seq, tile_q0 = fp.tiles(q_lens, kv_lens)
     # every 64 queries of every chunk once, the tiles with the most keys first
     assert sorted(zip(tile_seq.tolist(), tile_q0.tolist())) == [

@@ -376,6 +376,7 @@ class CudaRunner:
             self._tune_products()
         if not self.enforce_eager:
             self._capture_graphs()
+        self._warm_up()
         self.copy_bandwidth = measure_copy_bandwidth(self.stream)  # bytes/s, read + written
         self.weight_bytes = self._weight_bytes()
         self.last_roofline_fraction: float | None = None  # of the last decode step, for /metrics
@@ -805,6 +806,32 @@ class CudaRunner:
                     continue
                 self.graphs[bucket] = self.stream.end_capture()
         self.stream.synchronize()
+
+    def _warm_up(self) -> None:
+        """Run the ragged path (prefill and mixed steps) once at every power of two of tokens
+        from 2 to the step budget, before the first request: its kernels compile (NVRTC;
+        ~0.3 s for the 8B fp8 shapes on a cold kernel cache) and cuBLAS(Lt) picks an algorithm
+        for each bucket of rows here, not in the first requests' time to first token. Each
+        step is a one-token row (the split-KV decode attention beside the prompts') and prompts
+        filling the rest, the last of the largest step at the end of the context (the prefill
+        attention's variant for long rows). It writes K/V into free slots and samples nothing."""
+        longest = min(self.max_model_len, self.num_kv_slots) - 1
+        budget = min(self.max_tokens, self.num_kv_slots)
+        if longest < 1 or budget < 2:
+            return
+        sizes = sorted({min(1 << k, budget) for k in range(1, budget.bit_length() + 1)})
+        for T in sizes:
+            rows, slot, left = [ScheduledSeq(-1, [0], 0, 0, False)], 1, T - 1
+            while left > 0:
+                n = min(left, longest, self.num_kv_slots - slot)
+                start = longest - n if T == sizes[-1] and left == n else 0  # a chunk with a prefix
+                if n < 1 or slot + start + n > self.num_kv_slots:
+                    break
+                rows.append(ScheduledSeq(-1 - len(rows), [0] * n, start, slot, False))
+                slot, left = slot + start + n, left - n
+            self._execute_varlen(rows)
+        self._sampled_at = {}
+        log.debug("warm-up: ragged steps of %s tokens", sizes)
 
     # ------------------------------------------------------------------ step inputs
 
