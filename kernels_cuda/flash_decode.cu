@@ -62,7 +62,9 @@
 
 constexpr int KSTEPS = HEAD_DIM / 16;  // k steps of q K^T
 constexpr int OTILES = HEAD_DIM / 8;   // 8-wide column tiles of the output
-constexpr int VEC = HEAD_DIM / 8;      // 16-byte groups per row
+#if !SWAP
+constexpr int VEC = HEAD_DIM / 8;  // 16-byte groups per row (of the query tile, which SWAP does without)
+#endif
 static_assert(GROUP <= 16, "a query tile holds 16 heads");
 static_assert(CHUNK % KEYS == 0, "CHUNK must be a multiple of KEYS");
 static_assert(!SWAP || (KV_FP8 && GROUP <= 8), "SWAP: fp8 K/V and at most 8 heads a group");
