@@ -12,6 +12,12 @@
 #ifndef NORM_VEC
 #define NORM_VEC 4
 #endif
+// -DNORM_AHEAD=1: a thread issues the loads of all its float4 of the row, the weights and the
+// delta before it uses the first (more bytes in flight; rmsnorm.py takes it for many rows,
+// where the kernel is bound by memory; fewer rows run faster with the loads issued in turn)
+#ifndef NORM_AHEAD
+#define NORM_AHEAD 0
+#endif
 
 // residual += delta (+ bias) when delta is not null; out = rms_norm(residual) * w. A delta
 // from a float8 product is scaled first: by rsv (the token's scale) and cs (per feature), when
@@ -24,16 +30,25 @@ __device__ __forceinline__ void norm_row(float *__restrict__ r, const float *__r
                                          float *__restrict__ q_scale, long long d_stride = 0, int parts = 1) {
     __shared__ float scratch[32];
     const int n4 = hidden % 4 == 0 ? min(hidden / 4, NORM_VEC * (int)blockDim.x) : 0;
-    float4 v[NORM_VEC], g[NORM_VEC];  // g: the weights, loaded with the row (not after the sum)
+    float4 v[NORM_VEC], g[NORM_VEC], dl[NORM_VEC];  // g: the weights, loaded with the row (not after the sum)
+    auto load = [&](int u, int i) {
+        v[u] = reinterpret_cast<const float4 *>(r)[i];
+        g[u] = reinterpret_cast<const float4 *>(w)[i];
+        if (d != nullptr) dl[u] = reinterpret_cast<const float4 *>(d)[i];
+    };
+    if (NORM_AHEAD) {
+#pragma unroll
+        for (int u = 0; u < NORM_VEC; u++)
+            if (threadIdx.x + u * blockDim.x < n4) load(u, threadIdx.x + u * blockDim.x);
+    }
     float ss = 0.0f;
 #pragma unroll
     for (int u = 0; u < NORM_VEC; u++) {
         const int i = threadIdx.x + u * blockDim.x;
         if (i >= n4) break;
-        v[u] = reinterpret_cast<const float4 *>(r)[i];
-        g[u] = reinterpret_cast<const float4 *>(w)[i];
+        if (!NORM_AHEAD) load(u, i);
         if (d != nullptr) {
-            float4 e = reinterpret_cast<const float4 *>(d)[i];
+            float4 e = dl[u];
             for (int p = 1; p < parts; p++) {  // gemv.cu's NormIn adds parts in this order too
                 const float4 f = reinterpret_cast<const float4 *>(d + p * d_stride)[i];
                 e = make_float4(e.x + f.x, e.y + f.y, e.z + f.z, e.w + f.w);

@@ -17,16 +17,22 @@ THREADS = 512
 # holding 8 float4: 37.6 and 127.5). Their sums add in another order than at THREADS, so those
 # steps' bits differ from a decode step's (as their cuBLAS products' already do).
 WIDE_THREADS = 256
+# Steps of AHEAD_MIN_ROWS rows or more issue all of a thread's loads at once (rmsnorm.cu's
+# -DNORM_AHEAD; the same arithmetic, the same bits). H200, add + RMSNorm of 4,096 with a float8
+# product's delta and codes out, us: 1,024 rows 12.35 -> 11.82, 2,048 35.5 -> 31.8, 8,192 126.8
+# -> 108.9; 16-bit out 31.3 -> 30.5 and 115.8 -> 114.1 at 2,048 / 8,192. Fewer rows lose by it
+# (512: 7.5 -> 8.1 us, 16-bit 5.0 -> 5.9; 128: 3.45 -> 3.69).
+AHEAD_MIN_ROWS = 1024
 
 
-def _shape(rows: int, hidden: int) -> tuple[int, int]:
-    """(threads, NORM_VEC) of a launch over `rows` rows of `hidden` values (a row past
-    what the registers hold goes through the kernel's plain loop)."""
+def _shape(rows: int, hidden: int) -> tuple[int, int, int]:
+    """(threads, NORM_VEC, NORM_AHEAD) of a launch over `rows` rows of `hidden` values (a row
+    past what the registers hold goes through the kernel's plain loop)."""
     if rows < WIDE_MIN_ROWS:
-        return THREADS, 4
+        return THREADS, 4, 0
     n4 = -(-hidden // 4)
     threads = min(1024, max(WIDE_THREADS, -(-n4 // (8 * 32)) * 32))
-    return threads, max(1, min(8, -(-n4 // threads)))
+    return threads, max(1, min(8, -(-n4 // threads))), int(rows >= AHEAD_MIN_ROWS)
 
 
 def _out(out, rows, hidden, dtype):
@@ -51,8 +57,9 @@ def rms_norm(x: cp.ndarray, weight: cp.ndarray, eps: float, out: cp.ndarray | No
     out = _out(out, rows, hidden, out_dtype)
     quant_out, q_args = quant_out_args(quant, rows, hidden)
     if rows:
-        threads, vec = _shape(rows, hidden)
-        launch(module("rmsnorm", USE_BF16=use_bf16(out), QUANT_OUT=quant_out, NORM_VEC=vec).get_function("rms_norm"),
+        threads, vec, ahead = _shape(rows, hidden)
+        launch(module("rmsnorm", USE_BF16=use_bf16(out), QUANT_OUT=quant_out, NORM_VEC=vec,
+                      NORM_AHEAD=ahead).get_function("rms_norm"),
                (rows,), (threads,),
                (x, weight, quant_out_target(out, quant, codes_only), i32(hidden), f32(eps), *q_args), pdl=pdl)
     return out
@@ -77,9 +84,9 @@ def add_rms_norm(residual: cp.ndarray, delta: cp.ndarray, weight: cp.ndarray, ep
     out = _out(out, rows, hidden, out_dtype)
     quant_out, q_args = quant_out_args(quant, rows, hidden)
     if rows:
-        threads, vec = _shape(rows, hidden)
-        launch(module("rmsnorm", USE_BF16=use_bf16(out), QUANT_OUT=quant_out,
-                      NORM_VEC=vec).get_function("add_rms_norm"), (rows,), (threads,),
+        threads, vec, ahead = _shape(rows, hidden)
+        launch(module("rmsnorm", USE_BF16=use_bf16(out), QUANT_OUT=quant_out, NORM_VEC=vec,
+                      NORM_AHEAD=ahead).get_function("add_rms_norm"), (rows,), (threads,),
                (residual, delta, ptr_or_null(bias), weight, quant_out_target(out, quant, codes_only), i32(hidden),
                 f32(eps), *scale_args(scales, rows, hidden), *q_args, i64(stride), i32(parts)), pdl=pdl)
     return out

@@ -84,7 +84,7 @@ def test_embedding(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [1000, 1002, 9000])  # in registers; not a multiple of 4; longer than they hold
-@pytest.mark.parametrize("rows", [7, 600])  # 600: a step of many rows (rmsnorm.WIDE_MIN_ROWS: smaller blocks)
+@pytest.mark.parametrize("rows", [7, 600, 1100])  # 600: a step of many rows (rmsnorm.WIDE_MIN_ROWS: smaller blocks); 1100: loads ahead
 def test_rms_norm_and_fused_add(dtype, hidden, rows):
     from kernels_cuda.rmsnorm import add_rms_norm, rms_norm
     x = rng.standard_normal((rows, hidden)).astype(np.float32)
@@ -102,6 +102,33 @@ def test_rms_norm_and_fused_add(dtype, hidden, rows):
     out = add_rms_norm(res, cp.asarray(d), cp.asarray(w), 1e-5, bias=cp.asarray(bias), out_dtype=odt)
     np.testing.assert_allclose(cp.asnumpy(res), x + d + bias, rtol=1e-6, atol=1e-6)
     assert rel(from_dev(out), ref(x + d + bias)) < tol(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [1002, 4104])  # the plain loop only; five float4 a thread
+@pytest.mark.parametrize("fp8", [False, True], ids=["delta32", "fp8"])  # a float8 product's delta, codes out
+def test_add_rms_norm_loads_ahead_same_bits(dtype, hidden, fp8, monkeypatch):
+    """Steps of rmsnorm.AHEAD_MIN_ROWS rows or more issue a thread's loads at once (-DNORM_AHEAD):
+    the same arithmetic, so the same bits as with the loads issued in turn."""
+    from kernels_cuda import rmsnorm
+    rows = rmsnorm.AHEAD_MIN_ROWS + 3
+    x = rng.standard_normal((rows, hidden)).astype(np.float32)
+    d = cp.asarray(rng.standard_normal((rows, hidden)).astype(np.float32) * 50)
+    w = cp.asarray(rng.standard_normal(hidden).astype(np.float32))
+    bias = cp.asarray(rng.standard_normal(hidden).astype(np.float32))
+    scales = (cp.asarray(rng.random(rows).astype(np.float32)), cp.asarray(rng.random(hidden).astype(np.float32)))
+    odt = np.uint16 if dtype == "bfloat16" else np.float16
+    results = []
+    for ahead_min in (rows + 1, rows):  # in turn, then ahead
+        monkeypatch.setattr(rmsnorm, "AHEAD_MIN_ROWS", ahead_min)
+        assert rmsnorm._shape(rows, hidden)[2] == int(ahead_min == rows)
+        res = cp.asarray(x)
+        quant = (cp.zeros((rows, hidden), np.uint8), cp.zeros(rows, np.float32)) if fp8 and hidden % 8 == 0 else None
+        out = rmsnorm.add_rms_norm(res, d, w, 1e-5, bias=bias, out_dtype=odt, scales=scales if fp8 else None,
+                                   quant=quant)
+        results.append([cp.asnumpy(a) for a in (res, out, *(quant or ()))])
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
