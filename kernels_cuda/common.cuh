@@ -116,6 +116,22 @@ __device__ __forceinline__ float4 add_delta(float4 v, float4 e, float4 b) {
 }
 __device__ __forceinline__ float sq4(float4 v) { return v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w; }
 
+// e + float4 i of parts 1 .. parts - 1 of a delta in parts (`stride` floats apart), added in
+// order. The loads of up to 8 parts issue together: in a loop, one after the other, each part
+// cost an L2 round trip (mlp_block.cu's down product comes in 12 parts for SmolLM2).
+__device__ __forceinline__ float4 add_parts(float4 e, const float *d, long long stride, int parts, int i) {
+    for (int p0 = 1; p0 < parts; p0 += 8) {
+        float4 f[8];
+#pragma unroll
+        for (int k = 0; k < 8; k++)
+            if (p0 + k < parts) f[k] = reinterpret_cast<const float4 *>(d + (p0 + k) * stride)[i];
+#pragma unroll
+        for (int k = 0; k < 8; k++)
+            if (p0 + k < parts) e = make_float4(e.x + f[k].x, e.y + f[k].y, e.z + f[k].z, e.w + f[k].w);
+    }
+    return e;
+}
+
 // block-wide sum / max; every thread gets the result. `scratch` holds >= 32 floats.
 __device__ __forceinline__ float block_sum(float v, float *scratch) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;

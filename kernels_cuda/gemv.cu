@@ -365,12 +365,7 @@ __device__ __forceinline__ void norm_into(const NormIn &n, scalar_t *xs, int B, 
             const int i = threadIdx.x + j * WARPS * 32;
             if (i < n4) {
                 if (del != nullptr) {
-                    float4 e = del[i];
-                    for (int p = 1; p < n.parts; p++) {
-                        const float4 f = reinterpret_cast<const float4 *>(n.delta + p * n.delta_stride +
-                                                                          (long long)r * K)[i];
-                        e = make_float4(e.x + f.x, e.y + f.y, e.z + f.z, e.w + f.w);
-                    }
+                    const float4 e = add_parts(del[i], n.delta + (long long)r * K, n.delta_stride, n.parts, i);
                     v[j] = add_delta(res[i], e, bias != nullptr ? bias[i] : zero);
                 } else {
                     v[j] = res[i];

@@ -48,11 +48,7 @@ __device__ __forceinline__ void norm_row(float *__restrict__ r, const float *__r
         if (i >= n4) break;
         if (!NORM_AHEAD) load(u, i);
         if (d != nullptr) {
-            float4 e = dl[u];
-            for (int p = 1; p < parts; p++) {  // gemv.cu's NormIn adds parts in this order too
-                const float4 f = reinterpret_cast<const float4 *>(d + p * d_stride)[i];
-                e = make_float4(e.x + f.x, e.y + f.y, e.z + f.z, e.w + f.w);
-            }
+            float4 e = add_parts(dl[u], d, d_stride, parts, i);  // as gemv.cu's NormIn adds them
             if (cs != nullptr) {
                 const float4 f = reinterpret_cast<const float4 *>(cs)[i];
                 e = make_float4(e.x * rsv * f.x, e.y * rsv * f.y, e.z * rsv * f.z, e.w * rsv * f.w);

@@ -232,6 +232,57 @@ def test_attention_block_in_one_kernel_matches_the_separate_kernels(tmp_path, na
     assert len(graphed.execute(out).sampled) == 3
 
 
+@pytest.mark.parametrize("name", ["llama_hd64", "llama_tied_mha"])
+def test_mlp_block_in_one_kernel_matches_the_separate_kernels(tmp_path, name, monkeypatch):
+    """Steps of up to 16 rows of a small model may run o .. down as one kernel (_mlp_block, off
+    by default): decode steps and a 6-token prefill give logits as close as a change in the
+    order of sums allows, and the same greedy tokens up to near ties, as the separate kernels;
+    an o bias (llama_tied_mha) included. The captured graphs run it too."""
+    import engine.runner.cuda_runner as cr
+    model = load_model(str(build_tiny_model(tmp_path, name, seed=7, config={"intermediate_size": 256})),
+                       with_tokenizer=False)
+    gpu = cuda_runner(model, max_model_len=REGION, eager=True)
+    assert gpu.mlp_block_fits and not gpu._mlp_block(1)
+    gpu.fuse_mlp = True
+    assert gpu._mlp_block(1) and gpu._mlp_block(16) and not gpu._mlp_block(17)
+    r = np.random.default_rng(8)
+
+    def close(got):
+        cos = cosines(got[True], got[False])
+        assert cos.min() >= 0.9999, cos
+        rows = np.arange(len(got[False]))
+        gap = got[False].max(1) - got[False][rows, got[True].argmax(1)]
+        assert (gap <= 1e-3 * np.abs(got[False]).max(1)).all(), gap
+
+    short = r.integers(0, VOCAB, 6).tolist()
+    got = {}
+    for fuse in (False, True):
+        gpu.fuse_mlp = fuse
+        got[fuse] = gpu.forward(prefill_step([short]), all_logits=True)
+    close(got)
+    prompts = [r.integers(0, VOCAB, n).tolist() for n in (5, 40, 130)]
+    gpu.forward(prefill_step(prompts))
+    pos = [len(p) for p in prompts]
+    for step in range(4):
+        out = decode_step([int(t) for t in r.integers(0, VOCAB, 3)], [p + step for p in pos])
+        for row in out.seqs:
+            row.sampling = SamplingParams(temperature=0)
+        got = {}
+        for fuse in (False, True):  # the step rewrites the same K/V rows
+            gpu.fuse_mlp = fuse
+            gpu.execute(out)
+            got[fuse] = cp.asnumpy(gpu.buffers.logits[:3])
+        close(got)
+    monkeypatch.setattr(cr, "FUSE_MLP", True)
+    graphed = cuda_runner(model, max_model_len=REGION)
+    assert graphed.graphs and graphed.fuse_mlp
+    out = decode_step([3, 4, 5], [len(p) for p in prompts])
+    for row in out.seqs:
+        row.sampling = SamplingParams(temperature=0)
+    graphed.forward(prefill_step(prompts))
+    assert len(graphed.execute(out).sampled) == 3
+
+
 def test_tiny_fp8_kv_cache_needs_head_dim_multiple_of_32(tmp_path):
     model = load_model(str(build_tiny_model(tmp_path, "llama", seed=5)), with_tokenizer=False)  # head_dim 16
     with pytest.raises(ValueError, match="multiple of 32"):

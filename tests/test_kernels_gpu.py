@@ -784,6 +784,87 @@ def test_products_add_a_delta_in_parts():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(576, 576, 1536), (128, 192, 256)], ids=["smollm2", "small"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+def test_mlp_block(dtype, shape, with_bias):
+    """The layer's second half in one kernel against float64 (rounded where the kernel stores
+    16 bits): res + attn o (+ bias) to res_out, its RMSNorm, gate/up, SiLU * up, down in parts
+    whose sum is the product; 16 rows, and each row alone gives the same bits (batch
+    invariance). Every part and res_out element is written (NaN before)."""
+    from kernels_cuda.mlp_block import MAX_ROWS, down_blocks, mlp_block, parts, supported
+    hidden, qw, inter = shape
+    assert supported(hidden, qw, inter)
+    B, P = MAX_ROWS, parts(inter)
+    res = rng.standard_normal((B, hidden)).astype(np.float32)
+    attn = rounded(rng.standard_normal((B, qw)).astype(np.float32), dtype)
+    w_o = rounded(rng.standard_normal((hidden, qw)).astype(np.float32) / np.sqrt(qw), dtype)
+    w_gu = rounded(rng.standard_normal((2 * inter, hidden)).astype(np.float32) / np.sqrt(hidden), dtype)
+    w_d = rounded(rng.standard_normal((hidden, inter)).astype(np.float32) / np.sqrt(inter), dtype)
+    norm_w = rng.uniform(0.5, 1.5, hidden).astype(np.float32)
+    bias = rng.standard_normal(hidden).astype(np.float32) * 0.1 if with_bias else None
+    dev = {"w_o": to_dev(w_o, dtype), "w_gu": to_dev(w_gu, dtype), "w_d": down_blocks(to_dev(w_d, dtype))}
+
+    def run(rows):
+        n = len(rows)
+        store = cp.full((P, MAX_ROWS + 3, hidden), np.nan, np.float32)  # parts apart, as the runner's
+        res_out = cp.full((n, hidden), np.nan, np.float32)
+        mlp_block(cp.asarray(res[rows]), to_dev(attn[rows], dtype), dev["w_o"],
+                  cp.asarray(bias) if with_bias else None, cp.asarray(norm_w), 1e-5, res_out, dev["w_gu"], dev["w_d"],
+                  store[:, :n])
+        return cp.asnumpy(store[:, :n]), cp.asnumpy(res_out)
+
+    got_parts, res_out = run(np.arange(B))
+    assert np.isfinite(got_parts).all() and np.isfinite(res_out).all()
+    for b in (0, 7, 15):  # each row alone: the same bits
+        alone = run(np.array([b]))
+        np.testing.assert_array_equal(alone[0][:, 0], got_parts[:, b])
+        np.testing.assert_array_equal(alone[1][0], res_out[b])
+    h = res + attn.astype(np.float64) @ w_o.T.astype(np.float64) + (bias if with_bias else 0)
+    np.testing.assert_allclose(res_out, h, rtol=1e-5, atol=1e-4)
+    x = rounded((h / np.sqrt((h * h).mean(1, keepdims=True) + 1e-5) * norm_w).astype(np.float32), dtype)
+    gu = x.astype(np.float64) @ w_gu.T.astype(np.float64)
+    g, u = gu[:, :inter], gu[:, inter:]
+    a = rounded((g / (1 + np.exp(-g)) * u).astype(np.float32), dtype).astype(np.float64)
+    ref = a @ w_d.T.astype(np.float64)
+    summed = got_parts[0].astype(np.float64)
+    for p in range(1, P):
+        summed = summed + got_parts[p]
+    assert rel(summed, ref) < (2e-2 if dtype == "bfloat16" else 3e-3)
+    with pytest.raises(ValueError, match="res_out"):
+        r = cp.asarray(res[:1])
+        mlp_block(r, to_dev(attn[:1], dtype), dev["w_o"], None, cp.asarray(norm_w), 1e-5, r, dev["w_gu"],
+                  dev["w_d"], cp.zeros((P, 1, hidden), np.float32))
+
+
+def test_norms_add_many_parts_in_order():
+    """A delta in 12 parts (mlp_block's down product for SmolLM2: loads issued 8 parts at a
+    time) is added in order: the bits of the parts summed one by one first, through add_rms_norm
+    and a product's folded norm."""
+    from kernels_cuda.gemv import NormIn, gemv_silu
+    from kernels_cuda.rmsnorm import add_rms_norm
+    B, K, P = 2, 576, 12
+    res = cp.asarray(rng.standard_normal((B, K)).astype(np.float32))
+    store = cp.asarray(rng.standard_normal((P, 16, K)).astype(np.float32))
+    summed = store[0, :B].copy()
+    for p in range(1, P):
+        summed = summed + store[p, :B]
+    weight = cp.asarray(rng.uniform(0.5, 1.5, K).astype(np.float32))
+    outs = []
+    for delta in (summed, store[:, :B]):
+        r, normed = res.copy(), cp.zeros((B, K), np.float16)
+        add_rms_norm(r, delta, weight, 1e-5, out=normed)
+        outs.append((cp.asnumpy(r), cp.asnumpy(normed)))
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(a, b)
+    w = cp.asarray((rng.standard_normal((64, K)) * 0.1).astype(np.float16))
+    x = cp.zeros((1, K), np.float16)
+    acts = [gemv_silu(x, w, cp.zeros((1, 32), np.float16),
+                      norm=NormIn(res[:1], weight, 1e-5, delta, None, cp.zeros((1, K), np.float32)))
+            for delta in (summed[:1], store[:, :1])]
+    np.testing.assert_array_equal(cp.asnumpy(acts[0]), cp.asnumpy(acts[1]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kv8", [False, True], ids=["kv16", "kv8"])
 @pytest.mark.parametrize("shape", [(576, 9, 3, 64), (96, 6, 2, 16), (128, 2, 1, 64)],
                          ids=["smollm2", "gqa3-hd16", "gqa2-hd64"])

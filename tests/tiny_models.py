@@ -26,7 +26,8 @@ TINY_SPECS = {
 }
 
 
-def build_tiny_model(directory: Path, name: str, seed: int = 0, **save_kwargs) -> Path:
+def build_tiny_model(directory: Path, name: str, seed: int = 0, config: dict | None = None, **save_kwargs) -> Path:
+    """TINY_SPECS[name] with its weights drawn from `seed`; config: further config overrides."""
     import torch
     import transformers
 
@@ -35,6 +36,7 @@ def build_tiny_model(directory: Path, name: str, seed: int = 0, **save_kwargs) -
                   vocab_size=VOCAB, max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1,
                   eos_token_id=2)
     params.update(overrides)
+    params.update(config or {})
     config = getattr(transformers, cfg_cls)(**params)
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()

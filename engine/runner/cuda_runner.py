@@ -26,6 +26,7 @@ import cupyx
 import numpy as np
 
 from kernels_cuda import attn_block as attn_block_module
+from kernels_cuda import mlp_block as mlp_block_module
 from kernels_cuda.activation import silu_mul
 from kernels_cuda.embedding import embedding
 from kernels_cuda.flash_decode import KEYS as FLASH_KEYS
@@ -77,6 +78,17 @@ FOLD_NORM_MAX_ROWS = 1
 # grows from ~1.9 to ~4.1 us while its blocks stream their weight slices. It must serve every
 # step of up to 16 rows or none (batch invariance), so it stays off until it wins at all of them.
 FUSE_ATTENTION = False
+
+# Steps of up to GEMV_MAX_ROWS rows of a small model with o, the post-attention norm, gate/up,
+# SiLU and down as one kernel (CudaRunner._mlp_block). Off: on the H200 the SmolLM2 decode
+# graphs at 96 keys (alternated in one process) took 0.382 -> 0.445 ms at B=1, 0.465 -> 0.466 at
+# B=2, 0.629 -> 0.626 at B=16. Its stage is no shorter than the three it replaces (o 2.4 +
+# gate/up 2.3 + down 1.9 us): after its wait, each dependent phase costs 0.4-1.4 us (block 0's
+# global timer: the attention rows from the L2 1.0, o 1.4 (m16 tensor-core tiles of one row,
+# recomputed by every cluster), the norm 1.1, gate/up 1.0, down with a cluster barrier 1.0),
+# and the attention and QKV stages around it grow by ~0.9 us each. It must serve every step of
+# up to 16 rows or none (batch invariance), so it stays off until it wins at one row.
+FUSE_MLP = False
 
 # Steps of up to 16 rows take a row of at most this many keys in one split (see decode_split_plan).
 WHOLE_KEYS = 256
@@ -261,6 +273,9 @@ class DecodeBuffers:
     # steps whose attention block is one kernel (CudaRunner._attn_block): its o product, a part
     # per KV head, (kv_heads, GEMV_MAX_ROWS, hidden) f32
     o_parts: cp.ndarray | None = None
+    # steps whose o .. down run as one kernel (CudaRunner._mlp_block): the down product in a part
+    # per cluster, (mlp_block.parts, GEMV_MAX_ROWS, hidden) f32
+    down_parts: cp.ndarray | None = None
     products: dict[str, tuple[cp.ndarray, cp.ndarray]] = dataclasses.field(default_factory=dict)
 
     def memory_bytes(self) -> int:
@@ -269,7 +284,8 @@ class DecodeBuffers:
                  self.pen_prompt_mask]
         shared = [self.embed_out, self.norm_out, self.qkv_out, self.q_rot, self.attn_out, self.o_proj_out,
                   self.gate_up_out, self.mlp_act, self.down_out]
-        shared += [a for a in (self.act_q, self.act_scale, self.res_alt, self.o_parts) if a is not None]
+        shared += [a for a in (self.act_q, self.act_scale, self.res_alt, self.o_parts, self.down_parts)
+                   if a is not None]
         return self.inputs.nbytes + sum(a.nbytes for a in owned + shared)
 
 
@@ -339,6 +355,10 @@ class CudaRunner:
             and attn_block_module.supported(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                             self.kv_fp8)
         self.fuse_attention = FUSE_ATTENTION and self.attn_block_fits
+        # ... and o, the post-attention norm, gate/up, SiLU and down as one kernel (_mlp_block)
+        self.mlp_block_fits = self._norms_fit and not self.quant_fp8 and attn_block_module.device_supported() \
+            and mlp_block_module.supported(cfg.hidden_size, cfg.q_size, cfg.intermediate_size)
+        self.fuse_mlp = FUSE_MLP and self.mlp_block_fits
         sched = config.scheduler
         self.max_model_len = sched.model_len(cfg)
         self.rows = bucket_for(sched.max_num_seqs)  # decode rows, a bucket
@@ -364,6 +384,10 @@ class CudaRunner:
             if self.quant_fp8:
                 self._quantize_layers(in_place=not given)
                 cp.get_default_memory_pool().free_all_blocks()
+            # _mlp_block reads the down matrices with a block's columns together (a second copy:
+            # steps of more rows read them as they are)
+            self._down_blocks = [mlp_block_module.down_blocks(layer.down_proj) for layer in self.weights.layers] \
+                if self.mlp_block_fits else None
             cos, sin = rope_tables(cfg, self.max_model_len)
             self.rope_cos, self.rope_sin = cp.asarray(cos), cp.asarray(sin)
             self.buffers = self._allocate_buffers()
@@ -477,6 +501,8 @@ class CudaRunner:
             res_alt=cp.zeros((GEMV_MAX_ROWS, cfg.hidden_size), np.float32) if self._norms_fit else None,
             o_parts=cp.zeros((cfg.num_kv_heads, GEMV_MAX_ROWS, cfg.hidden_size), np.float32)
             if self.attn_block_fits else None,
+            down_parts=cp.zeros((mlp_block_module.parts(cfg.intermediate_size), GEMV_MAX_ROWS, cfg.hidden_size),
+                                np.float32) if self.mlp_block_fits else None,
             inputs=StagedInputs(R, fields),
             embed_out=cp.zeros((A, cfg.hidden_size), np.float32),
             norm_out=cp.zeros((A, cfg.hidden_size), s),
@@ -618,8 +644,17 @@ class CudaRunner:
         sums), which prefill and mixed steps still run."""
         return self.fuse_attention and self.attn_block_fits and self._fused(n)
 
+    def _mlp_block(self, n: int) -> bool:
+        """Steps of up to GEMV_MAX_ROWS rows of a small model (mlp_block.supported: its blocks'
+        weight slices fit in shared memory) run o, the residual add and post-attention norm,
+        gate/up, SiLU * up and down as one kernel (kernels_cuda/mlp_block.cu): 1 stage a layer
+        instead of 3. Every such step does, decode and prefill, so rows stay batch-invariant;
+        the bits differ from the separate kernels' (other orders of sums), which larger steps
+        run. Not with the attention block in one kernel (_attn_block)."""
+        return self.fuse_mlp and self._fused(n) and not self._attn_block(n)
+
     def _layers(self, n: int, rope: tuple, attention, kv_lens: cp.ndarray | None = None
-                ) -> tuple[tuple | None, cp.ndarray]:
+                ) -> tuple[tuple | None, cp.ndarray, cp.ndarray]:
         """The decoder layers over the first n rows of the activation buffers; the
         residual stream ends un-added (the last down projection is added by the caller,
         with the scales returned: see _linear). rope: (positions, k_ptrs, v_ptrs) of the n
@@ -627,8 +662,9 @@ class CudaRunner:
         rows' key counts): each layer's attention block runs as one kernel instead
         (_attn_block), and `attention` is not called. With float8 products
         the normed rows and SiLU * up go to them as codes only (_quant_in). Returns (those
-        scales, the residual stream's buffer: embed_out, or res_alt where _fold_norms left
-        it there)."""
+        scales, the residual stream's buffer: embed_out, or res_alt where _fold_norms or
+        _mlp_block left it there, and the last down product to add to it: down_out, or
+        down_parts where _mlp_block)."""
         cfg, b, w = self.config, self.buffers, self.weights
         eps = cfg.rms_norm_eps
         fused, fold = self._fused(n), self._fold_norms(n)
@@ -637,8 +673,9 @@ class CudaRunner:
         normed_q, act_q = self._quant_in(n, cfg.hidden_size), self._quant_in(n, cfg.intermediate_size)
         # the residual stream's buffers: [the one holding it, the other]; a folded norm with a
         # delta reads the first and writes the sum to the second, which then holds the stream
-        block = kv_lens is not None
-        res = [b.embed_out[:n], b.res_alt[:n] if fold or block else None]
+        block, mlp = kv_lens is not None, self._mlp_block(n)
+        res = [b.embed_out[:n], b.res_alt[:n] if fold or block or mlp else None]
+        delta = None  # the last down product, not yet added to the residual stream
 
         def folded(delta: cp.ndarray | None, weight: cp.ndarray, bias: cp.ndarray | None = None) -> NormIn:
             norm = NormIn(res[0], weight, eps, delta, bias, res[1] if delta is not None else None)
@@ -652,12 +689,12 @@ class CudaRunner:
                 continue
             norm = None
             if fold:
-                norm = folded(None if i == 0 else b.down_out[:n], layer.input_layernorm)
+                norm = folded(delta, layer.input_layernorm)
             elif i == 0:
-                rms_norm(b.embed_out[:n], layer.input_layernorm, eps, out=b.norm_out[:n], pdl=self._launch_pdl,
+                rms_norm(res[0], layer.input_layernorm, eps, out=b.norm_out[:n], pdl=self._launch_pdl,
                          quant=normed_q, codes_only=True)
             else:
-                add_rms_norm(b.embed_out[:n], b.down_out[:n], layer.input_layernorm, eps, out=b.norm_out[:n],
+                add_rms_norm(res[0], delta, layer.input_layernorm, eps, out=b.norm_out[:n],
                              pdl=self._launch_pdl, scales=down_scales, quant=normed_q, codes_only=True)
             offset = i * self._layer_elems
             rope_in = (positions, self.rope_cos, self.rope_sin, k_ptrs, v_ptrs, offset, cfg.num_heads, cfg.num_kv_heads)
@@ -671,13 +708,20 @@ class CudaRunner:
                               kv_fp8=self.kv_fp8, scales=scales)
             attention(offset)
             attn = b.attn_out[:n].reshape(n, cfg.q_size)
+            if mlp:
+                delta = b.down_parts[:, :n]
+                mlp_block_module.mlp_block(res[0], attn, layer.o_proj, layer.o_bias, layer.post_attention_layernorm,
+                                           eps, res[1], layer.gate_up_proj, self._down_blocks[i], delta,
+                                           pdl=self._launch_pdl)
+                res.reverse()
+                continue
             scales = self._linear(attn, layer.o_proj, b.o_proj_out[:n],
                                   pdl=self._launch_pdl and attn.nbytes <= O_PROJ_PDL_MAX_INPUT)
             norm = None
             if fold:
                 norm = folded(b.o_proj_out[:n], layer.post_attention_layernorm, layer.o_bias)
             else:
-                add_rms_norm(b.embed_out[:n], b.o_proj_out[:n], layer.post_attention_layernorm, eps,
+                add_rms_norm(res[0], b.o_proj_out[:n], layer.post_attention_layernorm, eps,
                              out=b.norm_out[:n], bias=layer.o_bias, pdl=self._launch_pdl, scales=scales,
                              quant=normed_q, codes_only=True)
             if fused:
@@ -688,7 +732,8 @@ class CudaRunner:
                 silu_mul(gate_up, out=b.mlp_act[:n], pdl=self._launch_pdl, scales=scales, quant=act_q,
                          codes_only=True)
             down_scales = self._linear(b.mlp_act[:n], layer.down_proj, b.down_out[:n], xq=act_q)
-        return down_scales, res[0]
+            delta = b.down_out[:n]
+        return down_scales, res[0], b.down_out[:n] if block else delta
 
     def _layer_block(self, n: int, i: int, layer, res: list, folded, rope: tuple, kv_lens: cp.ndarray,
                      fold: bool) -> None:
@@ -741,11 +786,11 @@ class CudaRunner:
         def attention(offset: int) -> None:
             self._decode_attention(n, b.q_rot[:n], d["k_ptrs"][:n], d["v_ptrs"][:n], d["kv_lens"][:n], offset)
 
-        down_scales, residual = self._layers(n, (d["positions"][:n], d["k_ptrs"][:n], d["v_ptrs"][:n]), attention,
-                                             kv_lens=d["kv_lens"][:n] if self._attn_block(n) else None)
+        down_scales, residual, delta = self._layers(n, (d["positions"][:n], d["k_ptrs"][:n], d["v_ptrs"][:n]),
+                                                    attention, kv_lens=d["kv_lens"][:n] if self._attn_block(n) else None)
         # the final norm is a kernel of its own even where _fold_norms: the LM head has the most
         # blocks, each of which would norm the row again (H200, SmolLM2 B=1 graph 0.404 -> 0.400 ms)
-        add_rms_norm(residual, b.down_out[:n], w.norm, cfg.rms_norm_eps, out=b.final_norm_out[:n],
+        add_rms_norm(residual, delta, w.norm, cfg.rms_norm_eps, out=b.final_norm_out[:n],
                      pdl=self._launch_pdl, scales=down_scales)
         self._linear(b.final_norm_out[:n], w.lm_head, b.logits[:n])
         self._sample(n)
@@ -1104,8 +1149,8 @@ class CudaRunner:
                 if nd < len(rows):
                     prefill_attention(offset)
 
-            down_scales, residual = self._layers(T, (dev["tok_pos"], dev["tok_k"], dev["tok_v"]), attention)
-            add_rms_norm(residual, b.down_out[:T], w.norm, cfg.rms_norm_eps, out=b.norm_out[:T], scales=down_scales)
+            down_scales, residual, delta = self._layers(T, (dev["tok_pos"], dev["tok_k"], dev["tok_v"]), attention)
+            add_rms_norm(residual, delta, w.norm, cfg.rms_norm_eps, out=b.norm_out[:T], scales=down_scales)
             result = RunnerOutput()
             prompt_rows = [i for i, r in enumerate(rows) if r.want_prompt_logprobs]
             for i in prompt_rows:
