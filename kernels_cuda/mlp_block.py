@@ -75,8 +75,9 @@ def mlp_block(res: cp.ndarray, attn: cp.ndarray, w_o: cp.ndarray, o_bias: cp.nda
     and a @ w_down^T in parts(intermediate) parts out_parts[p] (B, hidden) float32, to be
     added in order. res (B, hidden) float32; attn (B, q_width) 16-bit; w_o (hidden, q_width),
     w_gate_up (2 intermediate, hidden: gate rows, then up rows) 16-bit, w_down_blocks: the
-    (hidden, intermediate) 16-bit down matrix as down_blocks lays it out; o_bias (hidden,) float32 or None; norm_w (hidden,) float32. out_parts (P, B,
-    hidden): a view whose parts may lie apart (a part's rows contiguous)."""
+    (hidden, intermediate) 16-bit down matrix as down_blocks lays it out; o_bias (hidden,)
+    float32 or None; norm_w (hidden,) float32. out_parts (P, B, hidden): a view whose parts
+    may lie apart (a part's rows contiguous)."""
     if res.ndim != 2 or attn.ndim != 2 or attn.shape[0] != res.shape[0]:
         raise ValueError(f"mlp_block: res (B, hidden) and attn (B, q_width), got {res.shape}, {attn.shape}")
     B, hidden = res.shape

@@ -190,6 +190,48 @@ def test_warm_up_leaves_serving_steps_nothing_to_build(tmp_path, kv_dtype, quant
         assert set(gemm._lt.algos) == algos, sorted(set(gemm._lt.algos) - algos)
 
 
+def assert_close_logits(got: dict) -> None:
+    """Logits of a fused path (got[True]) against the separate kernels' (got[False]): as close
+    as a change in the order of sums allows, and the same top token or one within rounding of
+    the top (a tiny random model's near ties)."""
+    cos = cosines(got[True], got[False])
+    assert cos.min() >= 0.9999, cos
+    rows = np.arange(len(got[False]))
+    gap = got[False].max(1) - got[False][rows, got[True].argmax(1)]
+    assert (gap <= 1e-3 * np.abs(got[False]).max(1)).all(), gap
+
+
+def fused_decode_matches(gpu, flag: str, r: np.random.Generator) -> list[list[int]]:
+    """Prefill three prompts, then four decode steps each run with gpu.<flag> off and on (the
+    step rewrites the same K/V rows): close logits (assert_close_logits). Returns the prompts."""
+    prompts = [r.integers(0, VOCAB, n).tolist() for n in (5, 40, 130)]
+    gpu.forward(prefill_step(prompts))
+    pos = [len(p) for p in prompts]
+    for step in range(4):
+        out = decode_step([int(t) for t in r.integers(0, VOCAB, 3)], [p + step for p in pos])
+        for row in out.seqs:
+            row.sampling = SamplingParams(temperature=0)
+        got = {}
+        for fuse in (False, True):
+            setattr(gpu, flag, fuse)
+            gpu.execute(out)
+            got[fuse] = cp.asnumpy(gpu.buffers.logits[:3])
+        assert_close_logits(got)
+    return prompts
+
+
+def graphed_step_runs(model, prompts: list[list[int]], flag: str, **kwargs) -> None:
+    """A runner built with its graphs (the module constant turned on by the caller) samples
+    a token for each row of a decode step after the prompts."""
+    graphed = cuda_runner(model, max_model_len=REGION, **kwargs)
+    assert graphed.graphs and getattr(graphed, flag)
+    out = decode_step([3, 4, 5], [len(p) for p in prompts])
+    for row in out.seqs:
+        row.sampling = SamplingParams(temperature=0)
+    graphed.forward(prefill_step(prompts))
+    assert len(graphed.execute(out).sampled) == 3
+
+
 @pytest.mark.parametrize("name,kv_dtype", [("llama_hd64", "auto"), ("llama_hd64", "fp8"), ("qwen2", "auto"),
                                            ("mistral", "auto")])
 def test_attention_block_in_one_kernel_matches_the_separate_kernels(tmp_path, name, kv_dtype, monkeypatch):
@@ -203,39 +245,15 @@ def test_attention_block_in_one_kernel_matches_the_separate_kernels(tmp_path, na
     assert gpu.attn_block_fits and not gpu._attn_block(1)
     gpu.fuse_attention = True
     assert gpu._attn_block(1) and gpu._attn_block(16)
-    r = np.random.default_rng(6)
-    prompts = [r.integers(0, VOCAB, n).tolist() for n in (5, 40, 130)]
-    gpu.forward(prefill_step(prompts))
-    pos = [len(p) for p in prompts]
-    for step in range(4):
-        out = decode_step([int(t) for t in r.integers(0, VOCAB, 3)], [p + step for p in pos])
-        for row in out.seqs:
-            row.sampling = SamplingParams(temperature=0)
-        got = {}
-        for fuse in (False, True):  # the step rewrites the same K/V rows
-            gpu.fuse_attention = fuse
-            gpu.execute(out)
-            got[fuse] = cp.asnumpy(gpu.buffers.logits[:3])
-        cos = cosines(got[True], got[False])
-        assert cos.min() >= 0.9999, cos
-        # the same top token, or one within rounding of the top (a tiny random model's near ties)
-        rows = np.arange(3)
-        gap = got[False].max(1) - got[False][rows, got[True].argmax(1)]
-        assert (gap <= 1e-3 * np.abs(got[False]).max(1)).all(), gap
+    prompts = fused_decode_matches(gpu, "fuse_attention", np.random.default_rng(6))
     monkeypatch.setattr(cr, "FUSE_ATTENTION", True)
-    graphed = cuda_runner(model, max_model_len=REGION, kv_dtype=kv_dtype)
-    assert graphed.graphs and graphed.fuse_attention
-    out = decode_step([3, 4, 5], [len(p) for p in prompts])
-    for row in out.seqs:
-        row.sampling = SamplingParams(temperature=0)
-    graphed.forward(prefill_step(prompts))
-    assert len(graphed.execute(out).sampled) == 3
+    graphed_step_runs(model, prompts, "fuse_attention", kv_dtype=kv_dtype)
 
 
 @pytest.mark.parametrize("name", ["llama_hd64", "llama_tied_mha"])
 def test_mlp_block_in_one_kernel_matches_the_separate_kernels(tmp_path, name, monkeypatch):
     """Steps of up to 16 rows of a small model may run o .. down as one kernel (_mlp_block, off
-    by default): decode steps and a 6-token prefill give logits as close as a change in the
+    by default): a 6-token prefill and decode steps give logits as close as a change in the
     order of sums allows, and the same greedy tokens up to near ties, as the separate kernels;
     an o bias (llama_tied_mha) included. The captured graphs run it too."""
     import engine.runner.cuda_runner as cr
@@ -246,41 +264,15 @@ def test_mlp_block_in_one_kernel_matches_the_separate_kernels(tmp_path, name, mo
     gpu.fuse_mlp = True
     assert gpu._mlp_block(1) and gpu._mlp_block(16) and not gpu._mlp_block(17)
     r = np.random.default_rng(8)
-
-    def close(got):
-        cos = cosines(got[True], got[False])
-        assert cos.min() >= 0.9999, cos
-        rows = np.arange(len(got[False]))
-        gap = got[False].max(1) - got[False][rows, got[True].argmax(1)]
-        assert (gap <= 1e-3 * np.abs(got[False]).max(1)).all(), gap
-
-    short = r.integers(0, VOCAB, 6).tolist()
+    short = prefill_step([r.integers(0, VOCAB, 6).tolist()])
     got = {}
     for fuse in (False, True):
         gpu.fuse_mlp = fuse
-        got[fuse] = gpu.forward(prefill_step([short]), all_logits=True)
-    close(got)
-    prompts = [r.integers(0, VOCAB, n).tolist() for n in (5, 40, 130)]
-    gpu.forward(prefill_step(prompts))
-    pos = [len(p) for p in prompts]
-    for step in range(4):
-        out = decode_step([int(t) for t in r.integers(0, VOCAB, 3)], [p + step for p in pos])
-        for row in out.seqs:
-            row.sampling = SamplingParams(temperature=0)
-        got = {}
-        for fuse in (False, True):  # the step rewrites the same K/V rows
-            gpu.fuse_mlp = fuse
-            gpu.execute(out)
-            got[fuse] = cp.asnumpy(gpu.buffers.logits[:3])
-        close(got)
+        got[fuse] = gpu.forward(short, all_logits=True)
+    assert_close_logits(got)
+    prompts = fused_decode_matches(gpu, "fuse_mlp", r)
     monkeypatch.setattr(cr, "FUSE_MLP", True)
-    graphed = cuda_runner(model, max_model_len=REGION)
-    assert graphed.graphs and graphed.fuse_mlp
-    out = decode_step([3, 4, 5], [len(p) for p in prompts])
-    for row in out.seqs:
-        row.sampling = SamplingParams(temperature=0)
-    graphed.forward(prefill_step(prompts))
-    assert len(graphed.execute(out).sampled) == 3
+    graphed_step_runs(model, prompts, "fuse_mlp")
 
 
 def test_tiny_fp8_kv_cache_needs_head_dim_multiple_of_32(tmp_path):
