@@ -384,10 +384,9 @@ class CudaRunner:
             if self.quant_fp8:
                 self._quantize_layers(in_place=not given)
                 cp.get_default_memory_pool().free_all_blocks()
-            # _mlp_block reads the down matrices with a block's columns together (a second copy:
-            # steps of more rows read them as they are)
-            self._down_blocks = [mlp_block_module.down_blocks(layer.down_proj) for layer in self.weights.layers] \
-                if self.mlp_block_fits else None
+            self._down_blocks: list[cp.ndarray] | None = None  # see _mlp_down
+            if self.fuse_mlp:
+                self._mlp_down(0)  # made here, not while a graph is captured
             cos, sin = rope_tables(cfg, self.max_model_len)
             self.rope_cos, self.rope_sin = cp.asarray(cos), cp.asarray(sin)
             self.buffers = self._allocate_buffers()
@@ -653,6 +652,14 @@ class CudaRunner:
         run. Not with the attention block in one kernel (_attn_block)."""
         return self.fuse_mlp and self._fused(n) and not self._attn_block(n)
 
+    def _mlp_down(self, i: int) -> cp.ndarray:
+        """Layer i's down matrix as _mlp_block reads it (mlp_block.down_blocks: a block's
+        columns together), a second copy that steps of more rows do not read: made for every
+        layer at the first need, so a runner that never runs the kernel holds none."""
+        if self._down_blocks is None:
+            self._down_blocks = [mlp_block_module.down_blocks(layer.down_proj) for layer in self.weights.layers]
+        return self._down_blocks[i]
+
     def _layers(self, n: int, rope: tuple, attention, kv_lens: cp.ndarray | None = None
                 ) -> tuple[tuple | None, cp.ndarray, cp.ndarray]:
         """The decoder layers over the first n rows of the activation buffers; the
@@ -675,7 +682,7 @@ class CudaRunner:
         # delta reads the first and writes the sum to the second, which then holds the stream
         block, mlp = kv_lens is not None, self._mlp_block(n)
         res = [b.embed_out[:n], b.res_alt[:n] if fold or block or mlp else None]
-        delta = None  # the last down product, not yet added to the residual stream
+        last_down = None  # the last down product, not yet added to the residual stream
 
         def folded(delta: cp.ndarray | None, weight: cp.ndarray, bias: cp.ndarray | None = None) -> NormIn:
             norm = NormIn(res[0], weight, eps, delta, bias, res[1] if delta is not None else None)
@@ -689,12 +696,12 @@ class CudaRunner:
                 continue
             norm = None
             if fold:
-                norm = folded(delta, layer.input_layernorm)
+                norm = folded(last_down, layer.input_layernorm)
             elif i == 0:
                 rms_norm(res[0], layer.input_layernorm, eps, out=b.norm_out[:n], pdl=self._launch_pdl,
                          quant=normed_q, codes_only=True)
             else:
-                add_rms_norm(res[0], delta, layer.input_layernorm, eps, out=b.norm_out[:n],
+                add_rms_norm(res[0], last_down, layer.input_layernorm, eps, out=b.norm_out[:n],
                              pdl=self._launch_pdl, scales=down_scales, quant=normed_q, codes_only=True)
             offset = i * self._layer_elems
             rope_in = (positions, self.rope_cos, self.rope_sin, k_ptrs, v_ptrs, offset, cfg.num_heads, cfg.num_kv_heads)
@@ -709,9 +716,9 @@ class CudaRunner:
             attention(offset)
             attn = b.attn_out[:n].reshape(n, cfg.q_size)
             if mlp:
-                delta = b.down_parts[:, :n]
+                last_down = b.down_parts[:, :n]
                 mlp_block_module.mlp_block(res[0], attn, layer.o_proj, layer.o_bias, layer.post_attention_layernorm,
-                                           eps, res[1], layer.gate_up_proj, self._down_blocks[i], delta,
+                                           eps, res[1], layer.gate_up_proj, self._mlp_down(i), last_down,
                                            pdl=self._launch_pdl)
                 res.reverse()
                 continue
@@ -732,8 +739,8 @@ class CudaRunner:
                 silu_mul(gate_up, out=b.mlp_act[:n], pdl=self._launch_pdl, scales=scales, quant=act_q,
                          codes_only=True)
             down_scales = self._linear(b.mlp_act[:n], layer.down_proj, b.down_out[:n], xq=act_q)
-            delta = b.down_out[:n]
-        return down_scales, res[0], b.down_out[:n] if block else delta
+            last_down = b.down_out[:n]
+        return down_scales, res[0], b.down_out[:n] if block else last_down
 
     def _layer_block(self, n: int, i: int, layer, res: list, folded, rope: tuple, kv_lens: cp.ndarray,
                      fold: bool) -> None:
