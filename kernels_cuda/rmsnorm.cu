@@ -19,11 +19,12 @@
 #define NORM_AHEAD 0
 #endif
 
-// residual += delta (+ bias) when delta is not null; out = rms_norm(residual) * w. A delta
-// from a float8 product is scaled first: by rsv (the token's scale) and cs (per feature), when
-// cs is not null. -DQUANT_OUT=1: out also as e4m3 codes q and its scale (common.cuh), from the
+// residual += delta (+ bias) when delta is not null; out = rms_norm(residual) * w. The delta
+// is a matrix product's output (-DPROD, common.cuh: float32, or 16 bits in steps of many
+// rows); from a float8 product it is scaled first: by rsv (the token's scale) and cs (per
+// feature), when cs is not null. -DQUANT_OUT=1: out also as e4m3 codes q and its scale (common.cuh), from the
 // values in registers; out may then be null (the codes only).
-__device__ __forceinline__ void norm_row(float *__restrict__ r, const float *__restrict__ d,
+__device__ __forceinline__ void norm_row(float *__restrict__ r, const prod_t *__restrict__ d,
                                          const float *__restrict__ bias, const float *__restrict__ w,
                                          scalar_t *__restrict__ out, int hidden, float eps, float rsv,
                                          const float *__restrict__ cs, unsigned char *__restrict__ q,
@@ -34,7 +35,14 @@ __device__ __forceinline__ void norm_row(float *__restrict__ r, const float *__r
     auto load = [&](int u, int i) {
         v[u] = reinterpret_cast<const float4 *>(r)[i];
         g[u] = reinterpret_cast<const float4 *>(w)[i];
-        if (d != nullptr) dl[u] = reinterpret_cast<const float4 *>(d)[i];
+        if (d == nullptr) return;
+        if constexpr (PROD == 0) {
+            dl[u] = reinterpret_cast<const float4 *>(d)[i];
+        } else {
+            float f[4];
+            load_prod<4>(d + 4 * i, f);
+            dl[u] = make_float4(f[0], f[1], f[2], f[3]);
+        }
     };
     if (NORM_AHEAD) {
 #pragma unroll
@@ -48,7 +56,9 @@ __device__ __forceinline__ void norm_row(float *__restrict__ r, const float *__r
         if (i >= n4) break;
         if (!NORM_AHEAD) load(u, i);
         if (d != nullptr) {
-            float4 e = add_parts(dl[u], d, d_stride, parts, i);  // as gemv.cu's NormIn adds them
+            float4 e = dl[u];
+            if constexpr (PROD == 0)  // parts: a float32 delta only (the cast is a no-op)
+                e = add_parts(e, reinterpret_cast<const float *>(d), d_stride, parts, i);  // as gemv.cu's NormIn adds them
             if (cs != nullptr) {
                 const float4 f = reinterpret_cast<const float4 *>(cs)[i];
                 e = make_float4(e.x * rsv * f.x, e.y * rsv * f.y, e.z * rsv * f.z, e.w * rsv * f.w);
@@ -62,8 +72,8 @@ __device__ __forceinline__ void norm_row(float *__restrict__ r, const float *__r
     for (int i = 4 * n4 + threadIdx.x; i < hidden; i += blockDim.x) {
         float x = r[i];
         if (d != nullptr) {
-            float e = d[i];
-            for (int p = 1; p < parts; p++) e += d[p * d_stride + i];
+            float e = prod_to_float(d[i]);
+            for (int p = 1; p < parts; p++) e += prod_to_float(d[p * d_stride + i]);
             x += (cs != nullptr ? e * rsv * cs[i] : e) + (bias != nullptr ? bias[i] : 0.0f);
             r[i] = x;
         }
@@ -119,9 +129,10 @@ extern "C" __global__ void rms_norm(const float *__restrict__ x, const float *__
 }
 
 // residual += delta (+ bias); out = rms_norm(residual) * w.  bias may be null; rs, cs: the
-// scales of a float8 product's delta (common.cuh's dequant), or null. delta may come in
-// `parts` parts d_stride floats apart (attn_block.cu's o product), added in order first.
-extern "C" __global__ void add_rms_norm(float *__restrict__ residual, const float *__restrict__ delta,
+// scales of a float8 product's delta (common.cuh's dequant), or null. A float32 delta may
+// come in `parts` parts d_stride floats apart (attn_block.cu's o product), added in order
+// first.
+extern "C" __global__ void add_rms_norm(float *__restrict__ residual, const prod_t *__restrict__ delta,
                                         const float *__restrict__ bias, const float *__restrict__ w,
                                         scalar_t *__restrict__ out, int hidden, float eps,
                                         const float *__restrict__ rs, const float *__restrict__ cs,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
-from ._module import (WIDE_MIN_ROWS, check, check_scalar, f32, i32, i64, launch, module, ptr_or_null, quant_out_args,
-                      quant_out_target, scale_args, use_bf16)
+from ._module import (WIDE_MIN_ROWS, check, check_scalar, f32, i32, i64, launch, module, prod_kind, ptr_or_null,
+                      quant_out_args, quant_out_target, scale_args, use_bf16)
 
 # Threads a block (one row) below _module.WIDE_MIN_ROWS rows: decode steps (gemv.NormIn sums in
 # this block's order).
@@ -69,15 +69,17 @@ def add_rms_norm(residual: cp.ndarray, delta: cp.ndarray, weight: cp.ndarray, ep
                  out: cp.ndarray | None = None, bias: cp.ndarray | None = None,
                  out_dtype=np.float16, pdl: bool = False, scales: tuple | None = None,
                  quant: tuple | None = None, codes_only: bool = False) -> cp.ndarray:
-    """residual += delta (+ bias), in place; out = rms_norm(residual) * weight. scales: delta
-    is a float8 product's raw sums; (per token, per feature) scales (_module.scale_args).
-    quant, codes_only: as rms_norm's. delta may also be (P, rows, hidden), a view whose parts
-    lie apart (each part's rows contiguous): the parts are added in order first."""
+    """residual += delta (+ bias), in place; out = rms_norm(residual) * weight. delta: a
+    matrix product's output, float32 or 16 bits (float16, or bfloat16 as uint16 bits: as
+    cuBLAS / cuBLASLt write it in steps of many rows); scales: delta is a float8 product's raw
+    sums; (per token, per feature) scales (_module.scale_args). quant, codes_only: as
+    rms_norm's. A float32 delta may also be (P, rows, hidden), a view whose parts lie apart
+    (each part's rows contiguous): the parts are added in order first."""
     if residual.ndim != 2:
         raise ValueError(f"residual: expected (rows, hidden), got {residual.shape}")
     rows, hidden = residual.shape
     check(residual, "residual", np.float32)
-    parts, stride = delta_parts(delta, rows, hidden, "delta")
+    parts, stride = delta_parts(delta, rows, hidden, "delta", any_product=True)
     check(weight, "weight", np.float32, (hidden,))
     if bias is not None:
         check(bias, "bias", np.float32, (hidden,))
@@ -85,18 +87,21 @@ def add_rms_norm(residual: cp.ndarray, delta: cp.ndarray, weight: cp.ndarray, ep
     quant_out, q_args = quant_out_args(quant, rows, hidden)
     if rows:
         threads, vec, ahead = _shape(rows, hidden)
-        launch(module("rmsnorm", USE_BF16=use_bf16(out), QUANT_OUT=quant_out, NORM_VEC=vec,
-                      NORM_AHEAD=ahead).get_function("add_rms_norm"), (rows,), (threads,),
+        launch(module("rmsnorm", USE_BF16=use_bf16(out), QUANT_OUT=quant_out, NORM_VEC=vec, NORM_AHEAD=ahead,
+                      PROD=prod_kind(delta, "delta")).get_function("add_rms_norm"), (rows,), (threads,),
                (residual, delta, ptr_or_null(bias), weight, quant_out_target(out, quant, codes_only), i32(hidden),
                 f32(eps), *scale_args(scales, rows, hidden), *q_args, i64(stride), i32(parts)), pdl=pdl)
     return out
 
 
-def delta_parts(delta: cp.ndarray, rows: int, hidden: int, name: str) -> tuple[int, int]:
-    """(parts, floats from one part to the next) of a delta (rows, hidden), or (P, rows,
-    hidden) in parts whose rows are each contiguous (attn_block's o product), checked."""
+def delta_parts(delta: cp.ndarray, rows: int, hidden: int, name: str, any_product: bool = False) -> tuple[int, int]:
+    """(parts, floats from one part to the next) of a delta (rows, hidden) (float32, or with
+    any_product a 16-bit product too), or a float32 (P, rows, hidden) in parts whose rows are
+    each contiguous (attn_block's o product), checked."""
     if delta.ndim != 3:
-        check(delta, name, np.float32, (rows, hidden))
+        if any_product:
+            prod_kind(delta, name)
+        check(delta, name, delta.dtype if any_product else np.float32, (rows, hidden))
         return 1, 0
     check(delta, name, np.float32, (delta.shape[0], rows, hidden), contiguous=False)
     if delta.strides[1:] != (hidden * 4, 4) or delta.strides[0] % 4:

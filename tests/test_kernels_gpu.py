@@ -107,13 +107,18 @@ def test_rms_norm_and_fused_add(dtype, hidden, rows):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [1002, 4104])  # the plain loop only; five float4 a thread
 @pytest.mark.parametrize("fp8", [False, True], ids=["delta32", "fp8"])  # a float8 product's delta, codes out
-def test_add_rms_norm_loads_ahead_same_bits(dtype, hidden, fp8, monkeypatch):
+@pytest.mark.parametrize("delta16", [False, True], ids=["", "bf16"])  # the delta in bfloat16 (the runner's many rows)
+def test_add_rms_norm_loads_ahead_same_bits(dtype, hidden, fp8, delta16, monkeypatch):
     """Steps of rmsnorm.AHEAD_MIN_ROWS rows or more issue a thread's loads at once (-DNORM_AHEAD):
-    the same arithmetic, so the same bits as with the loads issued in turn."""
+    the same arithmetic, so the same bits as with the loads issued in turn. A delta written in
+    bfloat16 gives the bits of its values in float32."""
     from kernels_cuda import rmsnorm
     rows = rmsnorm.AHEAD_MIN_ROWS + 3
     x = rng.standard_normal((rows, hidden)).astype(np.float32)
     d = cp.asarray(rng.standard_normal((rows, hidden)).astype(np.float32) * 50)
+    if delta16:
+        d16 = to_dev(cp.asnumpy(d), "bfloat16")
+        d = cp.asarray(from_dev(d16))
     w = cp.asarray(rng.standard_normal(hidden).astype(np.float32))
     bias = cp.asarray(rng.standard_normal(hidden).astype(np.float32))
     scales = (cp.asarray(rng.random(rows).astype(np.float32)), cp.asarray(rng.random(hidden).astype(np.float32)))
@@ -127,8 +132,16 @@ def test_add_rms_norm_loads_ahead_same_bits(dtype, hidden, fp8, monkeypatch):
         out = rmsnorm.add_rms_norm(res, d, w, 1e-5, bias=bias, out_dtype=odt, scales=scales if fp8 else None,
                                    quant=quant)
         results.append([cp.asnumpy(a) for a in (res, out, *(quant or ()))])
-    for a, b in zip(*results):
-        np.testing.assert_array_equal(a, b)
+        if delta16:
+            res = cp.asarray(x)
+            quant16 = tuple(cp.zeros_like(a) for a in quant) if quant else None
+            out = rmsnorm.add_rms_norm(res, d16, w, 1e-5, bias=bias, out_dtype=odt, scales=scales if fp8 else None,
+                                       quant=quant16)
+            results.append([cp.asnumpy(a) for a in (res, out, *(quant16 or ()))])
+    assert results[0][1].any()
+    for got in results[1:]:
+        for a, b in zip(results[0], got):
+            np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -581,7 +594,7 @@ def test_readers_scale_a_float8_product(kernel):
         np.testing.assert_array_equal(cp.asnumpy(got), cp.asnumpy(want))
 
 
-@pytest.mark.parametrize("kernel", ["silu_mul", "rope_kv_write"])
+@pytest.mark.parametrize("kernel", ["silu_mul", "rope_kv_write", "add_rms_norm"])
 @pytest.mark.parametrize("prod", DTYPES)
 @pytest.mark.parametrize("fp8", [False, True], ids=["16bit", "fp8sums"])
 def test_readers_take_a_16_bit_product(kernel, prod, fp8):

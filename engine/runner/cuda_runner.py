@@ -245,10 +245,10 @@ class DecodeBuffers:
     qkv_out: cp.ndarray  # (A, q + 2 kv)
     q_rot: cp.ndarray  # (A, heads, head_dim) 16-bit
     attn_out: cp.ndarray  # (A, heads, head_dim) 16-bit
-    o_proj_out: cp.ndarray  # (A, hidden) f32
+    o_proj_out: cp.ndarray  # (A, hidden) f32; its bytes also seen as 16-bit rows (products["o"])
     gate_up_out: cp.ndarray  # (A, 2 inter)
     mlp_act: cp.ndarray  # (A, inter) 16-bit
-    down_out: cp.ndarray  # (A, hidden) f32
+    down_out: cp.ndarray  # (A, hidden) f32; its bytes also seen as 16-bit rows (products["down"])
     final_norm_out: cp.ndarray  # (R, hidden) 16-bit
     logits: cp.ndarray  # (R, vocab) f32
     sample_work: cp.ndarray  # (R, vocab) f32 processed logits of rows with penalties / bias
@@ -493,8 +493,10 @@ class CudaRunner:
                          for dt in (np.dtype(np.float32), self.prod_dtype))
         qkv_width, gate_up_width = cfg.q_size + 2 * cfg.kv_size, 2 * cfg.intermediate_size
         qkv_out, gate_up_out = product(qkv_width), product(gate_up_width)
+        o_out, down_out = (views(cp.zeros(A * cfg.hidden_size * 4, np.uint8), cfg.hidden_size) for _ in range(2))
         return DecodeBuffers(
-            products={"qkv": views(qkv_out, qkv_width), "gate_up": views(gate_up_out, gate_up_width)},
+            products={"qkv": views(qkv_out, qkv_width), "gate_up": views(gate_up_out, gate_up_width),
+                      "o": o_out, "down": down_out},
             act_q=cp.zeros(A * widest, np.uint8) if self.quant_fp8 else None,
             act_scale=cp.zeros(A, np.float32) if self.quant_fp8 else None,
             res_alt=cp.zeros((GEMV_MAX_ROWS, cfg.hidden_size), np.float32) if self._norms_fit else None,
@@ -508,10 +510,10 @@ class CudaRunner:
             qkv_out=qkv_out,
             q_rot=cp.zeros((A, H, D), s),
             attn_out=cp.zeros((A, H, D), s),
-            o_proj_out=cp.zeros((A, cfg.hidden_size), np.float32),
+            o_proj_out=o_out[0],
             gate_up_out=gate_up_out,
             mlp_act=cp.zeros((A, cfg.intermediate_size), s),
-            down_out=cp.zeros((A, cfg.hidden_size), np.float32),
+            down_out=down_out[0],
             final_norm_out=cp.zeros((R, cfg.hidden_size), s),
             logits=cp.zeros((R, V), np.float32),
             sample_work=cp.zeros((R, V), np.float32),
@@ -603,11 +605,15 @@ class CudaRunner:
         return np.dtype(np.uint16) if self.quant_fp8 else np.dtype(self.scalar)
 
     def _product(self, name: str, n: int) -> cp.ndarray:
-        """n rows of the product `name` ("qkv", "gate_up"): float32 from the skinny GEMM (up
-        to GEMV_MAX_ROWS rows), else 16 bits (prod_dtype): half the bytes written and read
-        back where the rows are many."""
+        """n rows of the product `name` ("qkv", "gate_up", "o", "down"): float32 from the
+        skinny GEMM (up to GEMV_MAX_ROWS rows), else 16 bits (prod_dtype): half the bytes
+        written and read back where the rows are many. The residual stream's deltas (o,
+        down) stay float32 where prod_dtype is float16, whose range a delta may exceed;
+        bfloat16 (float8 sums, bfloat16 weights) holds them (H200, 8B fp8 + fp8 K/V, 2,044 rows:
+        add_rms_norm 34.8 -> 28.8 us alone; a mixed step's 64 of them 2.50 -> 1.95 ms)."""
         f32, p16 = self.buffers.products[name]
-        return (f32 if n <= GEMV_MAX_ROWS else p16)[:n]
+        wide = n > GEMV_MAX_ROWS and (name not in ("o", "down") or self.prod_dtype == np.uint16)
+        return (p16 if wide else f32)[:n]
 
     def _quant_in(self, n: int, width: int) -> tuple | None:
         """Steps whose products run on float8 codes (--quantization fp8, more than
@@ -722,13 +728,13 @@ class CudaRunner:
                                            pdl=self._launch_pdl)
                 res.reverse()
                 continue
-            scales = self._linear(attn, layer.o_proj, b.o_proj_out[:n],
-                                  pdl=self._launch_pdl and attn.nbytes <= O_PROJ_PDL_MAX_INPUT)
+            o_out = self._product("o", n)
+            scales = self._linear(attn, layer.o_proj, o_out, pdl=self._launch_pdl and attn.nbytes <= O_PROJ_PDL_MAX_INPUT)
             norm = None
             if fold:
-                norm = folded(b.o_proj_out[:n], layer.post_attention_layernorm, layer.o_bias)
+                norm = folded(o_out, layer.post_attention_layernorm, layer.o_bias)
             else:
-                add_rms_norm(res[0], b.o_proj_out[:n], layer.post_attention_layernorm, eps,
+                add_rms_norm(res[0], o_out, layer.post_attention_layernorm, eps,
                              out=b.norm_out[:n], bias=layer.o_bias, pdl=self._launch_pdl, scales=scales,
                              quant=normed_q, codes_only=True)
             if fused:
@@ -738,8 +744,8 @@ class CudaRunner:
                 scales = self._linear(b.norm_out[:n], layer.gate_up_proj, gate_up, xq=normed_q)
                 silu_mul(gate_up, out=b.mlp_act[:n], pdl=self._launch_pdl, scales=scales, quant=act_q,
                          codes_only=True)
-            down_scales = self._linear(b.mlp_act[:n], layer.down_proj, b.down_out[:n], xq=act_q)
-            last_down = b.down_out[:n]
+            last_down = self._product("down", n)
+            down_scales = self._linear(b.mlp_act[:n], layer.down_proj, last_down, xq=act_q)
         return down_scales, res[0], b.down_out[:n] if block else last_down
 
     def _layer_block(self, n: int, i: int, layer, res: list, folded, rope: tuple, kv_lens: cp.ndarray,
@@ -817,9 +823,9 @@ class CudaRunner:
             saved = dict.fromkeys(sizes, 0.0)  # us a step against the heuristic's first choices
             for m in sizes:
                 for name, width, out in (("qkv_proj", cfg.hidden_size, self._product("qkv", m)),
-                                         ("o_proj", cfg.q_size, b.o_proj_out[:m]),
+                                         ("o_proj", cfg.q_size, self._product("o", m)),
                                          ("gate_up_proj", cfg.hidden_size, self._product("gate_up", m)),
-                                         ("down_proj", cfg.intermediate_size, b.down_out[:m])):
+                                         ("down_proj", cfg.intermediate_size, self._product("down", m))):
                     xq = b.act_q[:m * width].reshape(m, width)
                     times, used = tune_gemm_fp8(xq, [getattr(x, name) for x in layers], out)
                     log.debug("fp8 %s at %d rows: %s us, #%d used", name, m, ", ".join(f"{t:.1f}" for t in times), used)
