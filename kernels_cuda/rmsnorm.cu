@@ -22,8 +22,8 @@
 // residual += delta (+ bias) when delta is not null; out = rms_norm(residual) * w. The delta
 // is a matrix product's output (-DPROD, common.cuh: float32, or 16 bits in steps of many
 // rows); from a float8 product it is scaled first: by rsv (the token's scale) and cs (per
-// feature), when cs is not null. -DQUANT_OUT=1: out also as e4m3 codes q and its scale (common.cuh), from the
-// values in registers; out may then be null (the codes only).
+// feature), when cs is not null. -DQUANT_OUT=1: out also as e4m3 codes q and its scale
+// (common.cuh), from the values in registers; out may then be null (the codes only).
 __device__ __forceinline__ void norm_row(float *__restrict__ r, const prod_t *__restrict__ d,
                                          const float *__restrict__ bias, const float *__restrict__ w,
                                          scalar_t *__restrict__ out, int hidden, float eps, float rsv,
@@ -57,8 +57,8 @@ __device__ __forceinline__ void norm_row(float *__restrict__ r, const prod_t *__
         if (!NORM_AHEAD) load(u, i);
         if (d != nullptr) {
             float4 e = dl[u];
-            if constexpr (PROD == 0)  // parts: a float32 delta only (the cast is a no-op)
-                e = add_parts(e, reinterpret_cast<const float *>(d), d_stride, parts, i);  // as gemv.cu's NormIn adds them
+            // the parts as gemv.cu's NormIn adds them; a float32 delta only (the cast is a no-op)
+            if constexpr (PROD == 0) e = add_parts(e, reinterpret_cast<const float *>(d), d_stride, parts, i);
             if (cs != nullptr) {
                 const float4 f = reinterpret_cast<const float4 *>(cs)[i];
                 e = make_float4(e.x * rsv * f.x, e.y * rsv * f.y, e.z * rsv * f.z, e.w * rsv * f.w);

@@ -79,7 +79,8 @@ def add_rms_norm(residual: cp.ndarray, delta: cp.ndarray, weight: cp.ndarray, ep
         raise ValueError(f"residual: expected (rows, hidden), got {residual.shape}")
     rows, hidden = residual.shape
     check(residual, "residual", np.float32)
-    parts, stride = delta_parts(delta, rows, hidden, "delta", any_product=True)
+    prod = prod_kind(delta, "delta")
+    parts, stride = delta_parts(delta, rows, hidden, "delta", delta.dtype)
     check(weight, "weight", np.float32, (hidden,))
     if bias is not None:
         check(bias, "bias", np.float32, (hidden,))
@@ -88,20 +89,18 @@ def add_rms_norm(residual: cp.ndarray, delta: cp.ndarray, weight: cp.ndarray, ep
     if rows:
         threads, vec, ahead = _shape(rows, hidden)
         launch(module("rmsnorm", USE_BF16=use_bf16(out), QUANT_OUT=quant_out, NORM_VEC=vec, NORM_AHEAD=ahead,
-                      PROD=prod_kind(delta, "delta")).get_function("add_rms_norm"), (rows,), (threads,),
+                      PROD=prod).get_function("add_rms_norm"), (rows,), (threads,),
                (residual, delta, ptr_or_null(bias), weight, quant_out_target(out, quant, codes_only), i32(hidden),
                 f32(eps), *scale_args(scales, rows, hidden), *q_args, i64(stride), i32(parts)), pdl=pdl)
     return out
 
 
-def delta_parts(delta: cp.ndarray, rows: int, hidden: int, name: str, any_product: bool = False) -> tuple[int, int]:
-    """(parts, floats from one part to the next) of a delta (rows, hidden) (float32, or with
-    any_product a 16-bit product too), or a float32 (P, rows, hidden) in parts whose rows are
-    each contiguous (attn_block's o product), checked."""
+def delta_parts(delta: cp.ndarray, rows: int, hidden: int, name: str, dtype=np.float32) -> tuple[int, int]:
+    """(parts, floats from one part to the next) of a delta (rows, hidden) of `dtype`, or a
+    float32 (P, rows, hidden) in parts whose rows are each contiguous (attn_block's o
+    product), checked."""
     if delta.ndim != 3:
-        if any_product:
-            prod_kind(delta, name)
-        check(delta, name, delta.dtype if any_product else np.float32, (rows, hidden))
+        check(delta, name, dtype, (rows, hidden))
         return 1, 0
     check(delta, name, np.float32, (delta.shape[0], rows, hidden), contiguous=False)
     if delta.strides[1:] != (hidden * 4, 4) or delta.strides[0] % 4:

@@ -488,12 +488,18 @@ class CudaRunner:
         def product(width: int) -> cp.ndarray:  # float32 rows of the skinny GEMM, or 16-bit rows
             return cp.zeros(max(A * width * self.prod_dtype.itemsize, min(A, GEMV_MAX_ROWS) * width * 4), np.uint8)
 
-        def views(raw: cp.ndarray, width: int) -> tuple[cp.ndarray, cp.ndarray]:
+        def views(raw: cp.ndarray, width: int, wide=self.prod_dtype) -> tuple[cp.ndarray, cp.ndarray]:
             return tuple(raw[:raw.size // (dt.itemsize * width) * dt.itemsize * width].view(dt).reshape(-1, width)
-                         for dt in (np.dtype(np.float32), self.prod_dtype))
+                         for dt in (np.dtype(np.float32), wide))
         qkv_width, gate_up_width = cfg.q_size + 2 * cfg.kv_size, 2 * cfg.intermediate_size
         qkv_out, gate_up_out = product(qkv_width), product(gate_up_width)
-        o_out, down_out = (views(cp.zeros(A * cfg.hidden_size * 4, np.uint8), cfg.hidden_size) for _ in range(2))
+        # the residual stream's deltas (o, down): 16-bit rows only in bfloat16 (float8 sums,
+        # bfloat16 weights); float16's range may be too small for a delta, so there they stay
+        # float32 at every row count (H200, 8B fp8 + fp8 K/V, 2,044 rows: add_rms_norm 34.8 ->
+        # 28.8 us alone; a mixed step's 64 of them 2.50 -> 1.95 ms)
+        delta_wide = self.prod_dtype if self.prod_dtype == np.uint16 else np.dtype(np.float32)
+        o_out, down_out = (views(cp.zeros(A * cfg.hidden_size * 4, np.uint8), cfg.hidden_size, delta_wide)
+                           for _ in range(2))
         return DecodeBuffers(
             products={"qkv": views(qkv_out, qkv_width), "gate_up": views(gate_up_out, gate_up_width),
                       "o": o_out, "down": down_out},
@@ -607,13 +613,9 @@ class CudaRunner:
     def _product(self, name: str, n: int) -> cp.ndarray:
         """n rows of the product `name` ("qkv", "gate_up", "o", "down"): float32 from the
         skinny GEMM (up to GEMV_MAX_ROWS rows), else 16 bits (prod_dtype): half the bytes
-        written and read back where the rows are many. The residual stream's deltas (o,
-        down) stay float32 where prod_dtype is float16, whose range a delta may exceed;
-        bfloat16 (float8 sums, bfloat16 weights) holds them (H200, 8B fp8 + fp8 K/V, 2,044 rows:
-        add_rms_norm 34.8 -> 28.8 us alone; a mixed step's 64 of them 2.50 -> 1.95 ms)."""
+        written and read back where the rows are many (o and down: see _allocate_buffers)."""
         f32, p16 = self.buffers.products[name]
-        wide = n > GEMV_MAX_ROWS and (name not in ("o", "down") or self.prod_dtype == np.uint16)
-        return (p16 if wide else f32)[:n]
+        return (f32 if n <= GEMV_MAX_ROWS else p16)[:n]
 
     def _quant_in(self, n: int, width: int) -> tuple | None:
         """Steps whose products run on float8 codes (--quantization fp8, more than
