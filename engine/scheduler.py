@@ -5,7 +5,9 @@ Each step, in this order, within `max_num_batched_tokens`:
      full, preempting the most recently admitted sequences when memory is short);
   2. running sequences part-way through their prompt get their next chunk;
   3. preempted sequences, then waiting requests in arrival order, are admitted while
-     `max_num_seqs` and KV memory allow, and get a first chunk.
+     `max_num_seqs` and KV memory allow, and get a first chunk. New prompts get at most
+     the budget less a row for each sequence that will decode once the queue is in
+     (`_prompt_room`), so a burst is admitted at the rate it can be served at.
 A request with n > 1 prefills its prompt (all but the last token) once, in sibling
 0's region; the siblings copy that prefix (a KVCopy) and all n then run the last
 prompt token as their first decode, each sampling from its own stream.
@@ -243,6 +245,7 @@ class Scheduler:
 
         # 2. prompts part-way through
         decoding = {r.seq_id for r in rows}
+        prompt_tokens = 0
         for seq in self.running:
             if budget < 1:
                 break
@@ -254,6 +257,7 @@ class Scheduler:
             end = min(target, seq.num_computed + budget)
             rows.append(self._row(seq, end))
             budget -= end - seq.num_computed
+            prompt_tokens += end - seq.num_computed
 
         # 3. admissions: preempted sequences first, then new requests
         while budget > 0 and self.preempted:
@@ -264,15 +268,40 @@ class Scheduler:
             end = min(self._prefill_target(seq), budget)
             rows.append(self._row(seq, end))
             budget -= end
+            prompt_tokens += end
         if not self.preempted:
-            self._admit_waiting(budget, rows, copies)
+            self._admit_waiting(budget, rows, copies, prompt_tokens=prompt_tokens)
 
         gone, self._gone = self._gone, []
         return SchedulerOutput(seqs=rows, kv_copies=copies, step=self._step, finished_seq_ids=gone)
 
-    def _admit_waiting(self, budget: int, rows: list[ScheduledSeq], copies: list[KVCopy], ending: int = 0) -> None:
-        """New requests, in arrival order, while the budget, max_num_seqs and the pool allow:
-        the first chunk of each one's prompt (`ending`: as _admit)."""
+    def _prompt_room(self, ending: int = 0) -> int:
+        """Tokens a step may give to prompts when it admits new requests: the budget less a
+        row for each sequence that will be decoding once the waiting requests are in (at
+        most max_num_seqs, at most half the budget; `ending`: running sequences about to
+        end).
+
+        Requests admitted in one step finish in one step, and under a fixed concurrency
+        their successors arrive together: a burst taken in while few sequences decode, at
+        more prompts a step than the server keeps up once they all decode, comes back as a
+        wave that outruns what later steps can take, and every later request waits in a
+        queue that does not drain. A lone request still gets (nearly) the whole budget."""
+        c = self.config
+        cap = min(c.max_num_seqs, c.max_num_batched_tokens // 2)
+        decoding = len(self.running) - ending + len(self.preempted)
+        for request in self.waiting:
+            if decoding >= cap:
+                break
+            decoding += request.params.n
+        return c.max_num_batched_tokens - min(decoding, cap)
+
+    def _admit_waiting(self, budget: int, rows: list[ScheduledSeq], copies: list[KVCopy], ending: int = 0,
+                       prompt_tokens: int = 0) -> None:
+        """New requests, in arrival order, while the budget (within _prompt_room, of which
+        `prompt_tokens` are already the step's), max_num_seqs and the pool allow: the first
+        chunk of each one's prompt (`ending`: as _admit)."""
+        if self.waiting:
+            budget = min(budget, self._prompt_room(ending) - prompt_tokens)
         while budget > 0 and self.waiting:
             request = self.waiting[0]
             capacity = self._initial_capacity(request, request.num_prompt_tokens)
@@ -353,20 +382,23 @@ class Scheduler:
             return None
         budget -= len(decodes)
         prompt_tokens = sum(target - row.kv_len for row, target in chunks)
-        if (chunks or self.waiting) and not self._prompts_fill(budget - prompt_tokens, len(ending)):
+        room = min(budget, self._prompt_room(len(ending))) if self.waiting else budget
+        if (chunks or self.waiting) and not self._prompts_fill(room - prompt_tokens, len(ending)):
             return None  # a plain step, scheduled once prev is done, can take what arrives meanwhile
         rows = decodes
+        prompt_tokens = 0
         for row, target in chunks:
             if budget < 1:
                 break
             end = min(target, row.kv_len + budget)
             rows.append(self._row(self._seqs[row.seq_id], end, start=row.kv_len))
             budget -= end - row.kv_len
+            prompt_tokens += end - row.kv_len
         copies: list[KVCopy] = []
         # the ending sequences' places go to new ones already (their regions are freed by
         # update(prev)); the runner lets go of their state when this step is submitted, after
         # prev on its stream
-        self._admit_waiting(budget, rows, copies, ending=len(ending))
+        self._admit_waiting(budget, rows, copies, ending=len(ending), prompt_tokens=prompt_tokens)
         if not rows:
             return None
         self._step += 1

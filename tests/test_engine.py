@@ -287,7 +287,8 @@ def run_all(engine, prompts, params) -> dict:
 
 def test_an_overlapping_runner_gets_each_steps_tokens_emitted_during_the_next(smollm2, smollm2_path):
     """With a runner whose steps run asynchronously, a step's tokens are detokenized and
-    delivered after the next step is submitted, and all at once when no step follows."""
+    delivered after the next step is submitted, and all at once when no step follows; a
+    request's first token and its last go out before the next step is launched."""
     engine = overlapping_engine(smollm2, smollm2_path)
     seen = []
 
@@ -296,8 +297,9 @@ def test_an_overlapping_runner_gets_each_steps_tokens_emitted_during_the_next(sm
     engine.add_request([1, 2, 3], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), sink)
     while engine.has_work():
         engine.step()
-    # token k (of step k) arrives once step k + 1 is submitted; the last with no step after it
-    assert seen == [(2, 1), (3, 1), (4, 1), (5, 1), (6, 1), (6, 1)]
+    # token k (of step k) arrives once step k + 1 is submitted; the first before it, the last with no
+    # step after it
+    assert seen == [(1, 1), (3, 1), (4, 1), (5, 1), (6, 1), (6, 1)]
 
 
 def test_an_overlapping_engine_wakes_the_event_loop_before_waiting_for_the_device(smollm2, smollm2_path):
@@ -321,8 +323,9 @@ def test_an_overlapping_engine_wakes_the_event_loop_before_waiting_for_the_devic
             engine.step()
     finally:
         loop.close()
-    # step k's token goes out after step k + 1 is submitted and before it is waited for
-    assert flushes == [(2, 1), (3, 2), (4, 3), (4, 4)]
+    # step k's token goes out after step k + 1 is submitted and before it is waited for; the first
+    # before step 2 is submitted
+    assert flushes == [(1, 1), (3, 2), (4, 3), (4, 4)]
 
 
 @pytest.mark.parametrize("runner,prompts_ahead", [(OverlappingRunner, False), (ChainingRunner, False),

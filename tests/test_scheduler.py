@@ -122,9 +122,10 @@ def test_decodes_come_first_and_prefill_is_chunked():
         if chunk:
             chunks.append((chunk[0].start_pos, chunk[0].num_tokens, chunk[0].sample))
         s.update(out, runner.execute(out))
-    # 50 prompt tokens in chunks of 15 (16 minus the decode), positions contiguous, sampled only at the end
-    assert [c[1] for c in chunks] == [15, 15, 15, 5]
-    assert [c[0] for c in chunks] == [0, 15, 30, 45]
+    # 50 prompt tokens in chunks of 15 (16 minus the decode), positions contiguous, sampled only at the
+    # end; the first, on admission, also leaves a row for the long prompt's own decode (_prompt_room)
+    assert [c[1] for c in chunks] == [14, 15, 15, 6]
+    assert [c[0] for c in chunks] == [0, 14, 29, 44]
     assert [c[2] for c in chunks] == [False, False, False, True]
     run_to_completion(s, runner)
     assert long.seqs[0].output_token_ids == reference_output(long)
@@ -411,6 +412,46 @@ def test_steps_scheduled_ahead_give_the_outputs_of_plain_steps(prompts_ahead):
     assert s2.kv.usage == 0.0 and not s2.running and not s2.requests
 
 
+def test_a_burst_is_admitted_at_the_rate_it_is_served_once_all_of_it_decodes():
+    """Prompts admitted from a queue leave a row of the budget for each sequence that will
+    decode once the queue is in: the burst's steps take as many prompt tokens as the later
+    steps can, when all of it decodes (otherwise its early, decode-free steps admit faster
+    and the successors of those requests arrive in a wave that queues). A lone request still
+    gets all but one row of the budget."""
+    s, runner = make_scheduler(max_num_seqs=8, max_num_batched_tokens=64)
+    burst = make_requests([24] * 8, max_tokens=4, prefix="b")
+    for r in burst:
+        add(s, r)
+    prompt_tokens = []
+    while any(not r.seqs[0].output_token_ids for r in burst):
+        out = s.schedule()
+        prompt_tokens.append(sum(r.num_tokens for r in out.seqs if r.start_pos < len(r.prompt_token_ids)))
+        s.update(out, runner.execute(out))
+    assert prompt_tokens == [56, 56, 56, 24]  # 64 less a row for each of the 8, from the first step on
+    run_to_completion(s, runner)
+    for r in burst:
+        assert r.seqs[0].output_token_ids == reference_output(r)
+
+    s, runner = make_scheduler(max_num_seqs=8, max_num_batched_tokens=64)
+    lone = make_requests([100], max_tokens=2)[0]
+    add(s, lone)
+    assert s.schedule().seqs[0].num_tokens == 63
+
+
+def test_a_queue_makes_progress_when_the_budget_is_max_num_seqs():
+    """The rows kept for decodes are at most half the budget, so prompts always get some."""
+    s, runner = make_scheduler(max_num_seqs=8, max_num_batched_tokens=8)
+    requests = make_requests([6] * 12, max_tokens=3)
+    for r in requests:
+        add(s, r)
+    out = s.schedule()
+    assert sum(r.num_tokens for r in out.seqs) == 4
+    s.update(out, runner.execute(out))
+    run_to_completion(s, runner)
+    for r in requests:
+        assert r.seqs[0].output_token_ids == reference_output(r)
+
+
 def test_schedule_ahead_rows():
     """The step after prev, before update(prev): a decode row (pending token) for each row of
     prev that samples, the next chunk of a prompt prev ran part of, then admissions."""
@@ -425,18 +466,19 @@ def test_schedule_ahead_rows():
     assert all(r.pending_tokens == 1 and r.sample and r.num_tokens == 1 for r in nxt.seqs)
     assert s.schedule_ahead(out, 1) is None  # more decode rows than the runner chains
     add(s, c)
-    nxt = s.schedule_ahead(out, 8)  # c is admitted ahead: 2 decodes + the first 14 of its 20 tokens
+    # c is admitted ahead: 2 decodes + the first 13 of its 20 tokens (a row stays for its own decode)
+    nxt = s.schedule_ahead(out, 8)
     assert [(r.seq_id, r.start_pos, r.num_tokens, r.pending_tokens) for r in nxt.seqs] == \
-        [(0, 6, 1, 1), (1, 6, 1, 1), (2, 0, 14, 0)]
+        [(0, 6, 1, 1), (1, 6, 1, 1), (2, 0, 13, 0)]
     assert not nxt.seqs[2].sample and c.seqs[0] in s.running and c.timings.first_scheduled is not None
     s.update(out, runner.execute(out))
     nxt_result = runner.execute(dataclasses.replace(nxt, seqs=[
         dataclasses.replace(r, token_ids=s.get_seq(r.seq_id).output_token_ids[-1:], pending_tokens=0)
         if r.pending_tokens else r for r in nxt.seqs]))
     add(s, d)  # max_num_seqs is reached: d waits
-    after = s.schedule_ahead(nxt, 8)  # a and b's third tokens, c's last 6 prompt tokens (it samples)
+    after = s.schedule_ahead(nxt, 8)  # a and b's third tokens, c's last 7 prompt tokens (it samples)
     assert [(r.seq_id, r.start_pos, r.num_tokens, r.sample) for r in after.seqs] == \
-        [(0, 7, 1, True), (1, 7, 1, True), (2, 14, 6, True)]
+        [(0, 7, 1, True), (1, 7, 1, True), (2, 13, 7, True)]
     assert d.seqs[0] not in s.running
     assert s.schedule_ahead(dataclasses.replace(nxt, seqs=nxt.seqs[:2]), 8) is None  # c runs, not in prev
     s.preempted.append(c.seqs[0])  # a sequence to readmit: only a plain step does that
@@ -448,10 +490,12 @@ def test_schedule_ahead_rows():
     # leave the step room too: a plain step, which can take what arrives meanwhile
     assert s.schedule_ahead(after, 8) is None and d.seqs[0] not in s.running
     e = make_requests([30], prefix="e")[0]
-    add(s, e)  # now the prompts fill the step: c decodes, d whole, e's first 9 tokens, in a's and b's places
+    # now the prompts fill the step: c decodes, d whole, e's first 7 tokens, in a's and b's places (16
+    # tokens less a row for each of c, d and e: _prompt_room)
+    add(s, e)
     last = s.schedule_ahead(after, 8)
     assert [(r.seq_id, r.start_pos, r.num_tokens, r.pending_tokens) for r in last.seqs] == \
-        [(2, 20, 1, 1), (3, 0, 6, 0), (4, 0, 9, 0)]
+        [(2, 20, 1, 1), (3, 0, 6, 0), (4, 0, 7, 0)]
     assert sorted(last.finished_seq_ids) == [0, 1]  # their state can go when this step is submitted
 
 
