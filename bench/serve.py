@@ -13,7 +13,9 @@ first), ITL (between streamed chunks) and end-to-end latency, in ms. The load co
 streams, starting together): at 256 streams an 8B model on an H200 sends ~20k events/s,
 more than one Python client parses, and a client that falls behind sends its next request
 late and counts its own lag as TTFT (H200, fp8 8B: 5.1-5.3k tok/s from one process, 8.3k
-from four, 8.6k for the engine alone).
+from four, 8.6k for the engine alone). --save-detailed adds every request's send time, TTFT
+and latency to the JSON: under a fixed concurrency the requests come in waves, and TTFT
+moves from wave to wave in whole engine steps.
 
     python bench/serve.py --engine random:llama3-8b --quantization fp8 --num-prompts 512 ...
 
@@ -276,6 +278,13 @@ def summarize(args, model: str, results: list[Result], duration: float) -> dict:
         "itl_ms": stats([g for r in ok for g in r.itl]), "e2e_ms": stats([r.e2e for r in ok]),
         "errors": sorted({r.error for r in results if r.error})[:5],
     }
+    if getattr(args, "save_detailed", False) and results:
+        # every request in the order it was sent: when (s from the first send; the clock is
+        # the host's monotonic one, shared by the client processes), TTFT and end-to-end ms
+        t0 = min(r.start for r in results)
+        summary["requests"] = [{"start_s": round(r.start - t0, 6), "ttft_ms": round(1e3 * r.ttft, 3),
+                                "e2e_ms": round(1e3 * r.e2e, 3), "output_tokens": r.output_tokens,
+                                "error": r.error or None} for r in sorted(results, key=lambda r: r.start)]
     return summary
 
 
@@ -300,6 +309,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="client processes sharing the load (HTTP; default: one per 64 streams): one Python "
                          "client falls behind a server that sends ~20k events/s, and then measures itself")
     ap.add_argument("--json")
+    ap.add_argument("--save-detailed", action="store_true",
+                    help="with --json: also each request's send time, TTFT, end-to-end latency and tokens "
+                         "(how TTFT moves over a run: the waves of a fixed concurrency)")
     engine = ap.add_argument_group("engine mode (no HTTP)")
     engine.add_argument("--engine", metavar="MODEL", help="drive this model's engine (no HTTP) instead of --url")
     engine.add_argument("--device", default="auto")

@@ -23,11 +23,19 @@ def test_load_with_cancellations(busy_server):
 def test_serve_bench_from_two_client_processes(busy_server):
     from bench import serve
     args = serve.parse_args(["--url", busy_server.url, "--num-prompts", "12", "--input-len", "8",
-                             "--output-len", "5", "--concurrency", "6", "--processes", "2", "--vocab", "40000"])
+                             "--output-len", "5", "--concurrency", "6", "--processes", "2", "--vocab", "40000",
+                             "--save-detailed"])
     summary = serve.run(args)
     assert summary["completed"] == 12 and summary["failed"] == 0, summary["errors"]
     assert summary["output_throughput"] == 12 * 5 / summary["duration_s"]
     assert 0 < summary["ttft_ms"]["p50"] <= summary["e2e_ms"]["p50"]
+    # --save-detailed: every request, from both processes, in the order sent, on one clock
+    requests = summary["requests"]
+    assert len(requests) == 12 and requests[0]["start_s"] == 0.0
+    assert [r["start_s"] for r in requests] == sorted(r["start_s"] for r in requests)
+    assert requests[-1]["start_s"] < summary["duration_s"]
+    assert all(0 < r["ttft_ms"] <= r["e2e_ms"] and r["output_tokens"] == 5 and r["error"] is None for r in requests)
+    assert sorted(r["ttft_ms"] for r in requests)[6] == pytest.approx(summary["ttft_ms"]["p50"], abs=1e-3)
 
 
 @pytest.mark.parametrize("where", ["thread", "process"])
