@@ -386,19 +386,19 @@ class Scheduler:
         if (chunks or self.waiting) and not self._prompts_fill(room - prompt_tokens, len(ending)):
             return None  # a plain step, scheduled once prev is done, can take what arrives meanwhile
         rows = decodes
-        prompt_tokens = 0
+        chunk_tokens = 0  # what the chunks take of the budget
         for row, target in chunks:
             if budget < 1:
                 break
             end = min(target, row.kv_len + budget)
             rows.append(self._row(self._seqs[row.seq_id], end, start=row.kv_len))
             budget -= end - row.kv_len
-            prompt_tokens += end - row.kv_len
+            chunk_tokens += end - row.kv_len
         copies: list[KVCopy] = []
         # the ending sequences' places go to new ones already (their regions are freed by
         # update(prev)); the runner lets go of their state when this step is submitted, after
         # prev on its stream
-        self._admit_waiting(budget, rows, copies, ending=len(ending), prompt_tokens=prompt_tokens)
+        self._admit_waiting(budget, rows, copies, ending=len(ending), prompt_tokens=chunk_tokens)
         if not rows:
             return None
         self._step += 1
