@@ -7,7 +7,8 @@
 For each batch size: B requests of `--prompt-len` tokens each, submitted at once to
 the engine running on its own thread (as under the server), each generating
 `--max-tokens` tokens. Reports output tokens/s over the whole run and over the
-decode phase alone (from the last first-token to the end), ms per decode step, and on
+decode phase alone (from the last first-token to the end: the tokens sampled after it
+over that time), ms per decode step (the median of the steps that decode every request), and on
 the GPU the fraction of the HBM roofline: the bytes a decode step must read (every
 weight once, plus the K/V of the batch at its mean context) over the device-to-device
 copy bandwidth measured in the same run, against the median step time.
@@ -30,13 +31,19 @@ from engine.config import CacheConfig  # noqa: E402
 
 
 def run_batch(engine: Engine, batch: int, prompt_len: int, max_tokens: int) -> dict:
+    """One run of `batch` requests; the decode phase runs from the last request's first
+    token to the end, and counts only the tokens sampled in it: steps after the one that
+    gave that first token (requests admitted early have decoded some of their tokens
+    before it). The step time is the median of the steps that sample a token for every
+    request (falling back to the last three quarters of all steps)."""
     vocab = engine.model_config.vocab_size
     prompts = [[(17 + 31 * i + 7 * j) % (vocab - 300) + 100 for j in range(prompt_len)] for i in range(batch)]
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     done = threading.Event()
     finished = []
-    step_times: list[float] = []
-    engine.on_step = lambda _engine, _out, seconds: step_times.append(seconds)
+    steps: list[tuple[float, float, int]] = []  # (end, seconds, rows that sample)
+    engine.on_step = lambda _engine, out, seconds: steps.append(
+        (time.monotonic(), seconds, sum(row.sample for row in out.seqs)))
 
     def sink(out):  # called on the engine thread
         if out.finished:
@@ -55,16 +62,20 @@ def run_batch(engine: Engine, batch: int, prompt_len: int, max_tokens: int) -> d
     if errors:
         raise RuntimeError(errors[0])
     last_first = max(o.timings.first_token for o in finished)
-    decode_tokens = sum(max_tokens - 1 for _ in finished)
+    # the step that gave the last first token ends (on_step) just after it was stamped
+    first_after = next(i for i, (t, _, _) in enumerate(steps) if t >= last_first) + 1
+    decode_tokens = sum(rows for _, _, rows in steps[first_after:])
     decode_seconds = max(o.timings.finished for o in finished) - last_first
-    steady = step_times[len(step_times) // 4:] or step_times
-    step_s = statistics.median(steady)
+    full = [s for _, s, rows in steps if rows == batch]
+    step_s = statistics.median(full or [s for _, s, _ in steps[len(steps) // 4:]] or [s for _, s, _ in steps])
     result = {
         "batch": batch, "prompt_len": prompt_len, "max_tokens": max_tokens,
         "total_s": end - start,
         "tok_s": batch * max_tokens / (end - start),
+        "decode_tokens": decode_tokens,
         "decode_tok_s": decode_tokens / decode_seconds if decode_seconds > 0 else float("nan"),
         "step_ms_median": 1e3 * step_s,
+        "full_steps": len(full),
     }
     runner = engine.runner
     if hasattr(runner, "decode_step_bytes"):

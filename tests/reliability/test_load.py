@@ -100,3 +100,23 @@ def test_host_bench_over_http_reports_the_server_share():
     assert s["tokens"] == 8 * 5 + 4  # and the client's warm-up request of 4 tokens
     assert s["server_cpu_s"] > 0 and s["server_cpu_us_per_token"] == s["server_cpu_s"] / s["tokens"] * 1e6
     assert s["gpu_busy_s"] > 0 and len(s["engine_ttft_ms"]) and s["engine_ttft_ms"]["p50"] > 0
+
+
+def test_decode_bench_counts_only_the_decode_phase_tokens():
+    """bench/decode.py on the stand-in runner: requests admitted one a step have decoded some
+    tokens before the last one's first token; those are not counted in the decode phase, and
+    the step time is that of the steps that decode every request (base + 4 rows), not of the
+    tail where the batch shrinks."""
+    from bench import decode, host
+    args = host.parse_args(["--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--input-len", "24",
+                            "--output-len", "8", "--sim-step-ms", "2", "--sim-decode-ms", "1", "--sim-prompt-us", "100"])
+    engine = host.build_engine(args)
+    engine.start()
+    try:
+        r = decode.run_batch(engine, 4, 24, 8)
+    finally:
+        engine.shutdown()
+    assert 7 <= r["decode_tokens"] < 4 * 7  # the last request's 7, and less than every request's 7
+    assert r["full_steps"] >= 1
+    # a 4-row decode step (2 + 4 x 1 ms; slack for the host's timers), not the shrinking tail's
+    assert 6.0 <= r["step_ms_median"] < 10.0
