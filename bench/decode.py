@@ -6,9 +6,10 @@
 
 For each batch size: B requests of `--prompt-len` tokens each, submitted at once to
 the engine running on its own thread (as under the server), each generating
-`--max-tokens` tokens. Reports output tokens/s over the whole run and over the
-decode phase alone (from the last first-token to the end: the tokens sampled after it
-over that time), ms per decode step (the median of the steps that decode every request), and on
+`--max-tokens` tokens. Reports output tokens/s over the whole run; decode tokens/s at
+batch B, B over the median step of those that decode every request (ms/step); the decode
+phase's tokens/s (from the last first-token to the end: the tokens sampled after it over
+that time, so with the tail where early requests have finished and the batch shrinks); and on
 the GPU the fraction of the HBM roofline: the bytes a decode step must read (every
 weight once, plus the K/V of the batch at its mean context) over the device-to-device
 copy bandwidth measured in the same run, against the median step time.
@@ -73,7 +74,8 @@ def run_batch(engine: Engine, batch: int, prompt_len: int, max_tokens: int) -> d
         "total_s": end - start,
         "tok_s": batch * max_tokens / (end - start),
         "decode_tokens": decode_tokens,
-        "decode_tok_s": decode_tokens / decode_seconds if decode_seconds > 0 else float("nan"),
+        "decode_tok_s": batch / step_s,  # steady decoding: every request decodes each step
+        "phase_tok_s": decode_tokens / decode_seconds if decode_seconds > 0 else float("nan"),
         "step_ms_median": 1e3 * step_s,
         "full_steps": len(full),
     }
@@ -115,10 +117,12 @@ def main() -> None:
           f"quantization={args.quantization} prompt_len={args.prompt_len} "
           f"max_tokens={args.max_tokens}"
           + (f" bandwidth={results[0]['bandwidth_gb_s']:.0f} GB/s" if "bandwidth_gb_s" in results[0] else ""))
-    print(f"{'batch':>6} {'tok/s':>10} {'decode tok/s':>13} {'ms/step':>9} {'roofline tok/s':>15} {'% roofline':>11}")
+    print(f"{'batch':>6} {'tok/s':>10} {'decode tok/s':>13} {'ms/step':>9} {'phase tok/s':>12} {'roofline tok/s':>15} "
+          f"{'% roofline':>11}")
     for r in results:
         roof = (f"{r['roofline_tok_s']:>15.1f} {r['roofline_pct']:>10.1f}%" if "roofline_pct" in r else "")
-        print(f"{r['batch']:>6} {r['tok_s']:>10.1f} {r['decode_tok_s']:>13.1f} {r['step_ms_median']:>9.2f} {roof}")
+        print(f"{r['batch']:>6} {r['tok_s']:>10.1f} {r['decode_tok_s']:>13.1f} {r['step_ms_median']:>9.2f} "
+              f"{r['phase_tok_s']:>12.1f} {roof}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
 
