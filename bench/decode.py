@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine import Engine, EngineConfig, SamplingParams, SchedulerConfig  # noqa: E402
 from engine.config import CacheConfig  # noqa: E402
+from engine.engine import freeze_long_lived  # noqa: E402
 
 
 def run_batch(engine: Engine, batch: int, prompt_len: int, max_tokens: int) -> dict:
@@ -78,6 +79,7 @@ def run_batch(engine: Engine, batch: int, prompt_len: int, max_tokens: int) -> d
         "phase_tok_s": decode_tokens / decode_seconds if decode_seconds > 0 else float("nan"),
         "step_ms_median": 1e3 * step_s,
         "full_steps": len(full),
+        "steps": [(round(1e3 * sec, 4), rows) for _, sec, rows in steps],  # (ms, rows that sample), in order
     }
     runner = engine.runner
     if hasattr(runner, "decode_step_bytes"):
@@ -110,6 +112,7 @@ def main() -> None:
     engine = Engine(config)
     engine.start()
     run_batch(engine, 1, args.prompt_len, 8)  # warm-up: compile, allocate, touch memory
+    freeze_long_lived()  # as the engine process does: no full collection walks the model mid-run
     results = [run_batch(engine, b, args.prompt_len, args.max_tokens) for b in batches]
     engine.shutdown()
     device = getattr(engine.runner, "device", "?")

@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from .config import EngineConfig
 from .engine import (BatchSink, CompletionOutput, Engine, EngineAPI, EngineDeadError, EngineGauges, EngineObserver,
-                     EngineStats, LoopSink, RequestOutput, Sink, deliver, flush_sinks)
+                     EngineStats, LoopSink, RequestOutput, Sink, deliver, flush_sinks, freeze_long_lived)
 from .request import Request, RequestTimings, SamplingParams
 from .scheduler import QueueFullError
 
@@ -289,6 +289,7 @@ def _child_main(config: EngineConfig, conn, build: Callable[[EngineConfig], Engi
     recorder = _Recorder()
     engine.observer = recorder
     sink = _PipeSink(engine, send, recorder)
+    freeze_long_lived()  # this process serves this engine until it ends
     engine.start()
     try:
         while True:

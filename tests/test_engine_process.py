@@ -176,3 +176,18 @@ def test_a_killed_engine_process_fails_its_requests_not_this_process(smollm2_pat
 def test_a_model_that_does_not_load_raises_in_the_constructor(tmp_path):
     with pytest.raises(RuntimeError, match="FileNotFoundError"):
         EngineProcess(config(str(tmp_path / "missing.gguf")))
+
+
+def test_freeze_long_lived_puts_live_objects_out_of_the_collectors_reach():
+    """What the engine process does once its engine is built (and bench/decode.py after its
+    warm-up): later full collections walk only objects made since."""
+    import gc
+
+    from engine.engine import freeze_long_lived
+    before = gc.get_freeze_count()
+    keep = [[i] for i in range(1000)]
+    try:
+        freeze_long_lived()
+        assert gc.get_freeze_count() >= before + len(keep)
+    finally:
+        gc.unfreeze()  # the test process goes on making and dropping engines

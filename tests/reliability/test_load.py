@@ -121,3 +121,4 @@ def test_decode_bench_counts_only_the_decode_phase_tokens():
     # a 4-row decode step (2 + 4 x 1 ms; slack for the host's timers), not the shrinking tail's
     assert 6.0 <= r["step_ms_median"] < 10.0
     assert r["decode_tok_s"] == pytest.approx(4e3 / r["step_ms_median"])
+    assert sum(rows for _, rows in r["steps"]) == 4 * 8 and sum(rows == 4 for _, rows in r["steps"]) == r["full_steps"]
