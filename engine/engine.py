@@ -39,7 +39,6 @@ _MASK64 = (1 << 64) - 1
 __all__ = ["CompletionOutput", "Engine", "EngineAPI", "EngineDeadError", "EngineGauges", "QueueFullError", "RequestOutput"]
 
 
-
 def freeze_long_lived() -> None:
     """Collect once, then put every object alive now (the model, the tokenizer's tables, the
     runner and its graphs) out of the cyclic collector's reach (gc.freeze): a full collection
