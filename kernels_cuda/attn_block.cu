@@ -26,7 +26,6 @@
 //
 // -DHEAD_DIM, -DGROUP (query heads per KV head), -DHIDDEN, -DKV_FP8, -DUSE_BF16; dynamic shared
 // memory: attn_block.py's smem_bytes (the kernel checks it). KV pool layout as flash_decode's.
-#include "cluster.cuh"
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 64
@@ -39,12 +38,13 @@
 #endif
 #define CLUSTER 8
 #define THREADS 256
-#define WARPS (THREADS / 32)
 #define TILE 64  // keys a shared-memory tile holds; two tiles, double-buffered
+#define KSTR (HEAD_DIM + 16 / (int)sizeof(kv_t))  // a staged K/V row: 16 bytes of padding
+#include "cluster.cuh"
+#include "small_attn.cuh"
 
 constexpr int D = HEAD_DIM, HALF_D = HEAD_DIM / 2, QW = GROUP * HEAD_DIM, RW = (GROUP + 2) * HEAD_DIM;
 constexpr int RC = RW / CLUSTER, OC = HIDDEN / CLUSTER;
-constexpr int KSTR = HEAD_DIM + 16 / (int)sizeof(kv_t);  // a staged K/V row: 16 bytes of padding
 static_assert(RW % CLUSTER == 0, "(GROUP + 2) x HEAD_DIM must be a multiple of CLUSTER");
 static_assert(HIDDEN % CLUSTER == 0 && HIDDEN % 8 == 0, "HIDDEN must be a multiple of 8");
 static_assert(HEAD_DIM % 8 == 0 && HEAD_DIM * sizeof(kv_t) % 16 == 0, "K/V rows of whole 16-byte pieces");
@@ -63,60 +63,6 @@ constexpr int F_ATTN = 0, F_ACC = F_ATTN + QW, F_QKV = F_ACC + QW, F_ALL = F_QKV
               F_RM = F_ALPHA + GROUP, F_RL = F_RM + CLUSTER * GROUP, F_COS = F_RL + CLUSTER * GROUP,
               F_SIN = F_COS + HALF_D, F_SCRATCH = F_SIN + HALF_D, F_END = F_SCRATCH + 32;
 constexpr int SMEM_BYTES = OFF_F + 4 * F_END;
-
-// ------------------------------------------------------------------ helpers
-__device__ __forceinline__ float kv_to_float(kv_t v) {
-#if KV_FP8
-    const unsigned w = fp8x2_to_scalar2((unsigned short)v);
-    return to_float2(*reinterpret_cast<const scalar2_t *>(&w)).x;
-#else
-    return to_float(v);
-#endif
-}
-
-// 8 consecutive K/V elements of shared memory (16-byte aligned for 16-bit, 8 for e4m3) as floats
-__device__ __forceinline__ void kv8_to_float(const kv_t *p, float f[8]) {
-#if KV_FP8
-    const uint2 w = *reinterpret_cast<const uint2 *>(p);
-    vec8 v;
-    unsigned *u = reinterpret_cast<unsigned *>(&v);
-    fp8x4_to_scalar2x2(w.x, u[0], u[1]);
-    fp8x4_to_scalar2x2(w.y, u[2], u[3]);
-    vec8_to_float(v, f);
-#else
-    vec8_to_float(*reinterpret_cast<const vec8 *>(p), f);
-#endif
-}
-
-// out(r, W[r] . x) for the rows r of an (NROWS, WIDTH) 16-bit matrix W in shared memory, a warp
-// taking rows warp, warp + WARPS, ... together (their loads and sums interleave: a row at a time
-// took ~2x as long); x8(u, f) gives x's 8 values of 16-byte group u as floats.
-template <int NROWS, int WIDTH, class X8, class Out>
-__device__ __forceinline__ void warp_rows(const scalar_t *w, X8 x8, Out out) {
-    constexpr int ROWS = (NROWS + WARPS - 1) / WARPS;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    float acc[ROWS];
-#pragma unroll
-    for (int k = 0; k < ROWS; k++) acc[k] = 0.0f;
-    for (int u = lane; u < WIDTH / 8; u += 32) {
-        float xf[8];
-        x8(u, xf);
-#pragma unroll
-        for (int k = 0; k < ROWS; k++) {
-            const int r = warp + k * WARPS;
-            if (r >= NROWS) break;
-            float wf[8];
-            vec8_to_float(*reinterpret_cast<const vec8 *>(w + r * WIDTH + u * 8), wf);
-#pragma unroll
-            for (int e = 0; e < 8; e++) acc[k] = fmaf(wf[e], xf[e], acc[k]);
-        }
-    }
-#pragma unroll
-    for (int k = 0; k < ROWS; k++) acc[k] = warp_sum(acc[k]);
-#pragma unroll
-    for (int k = 0; k < ROWS; k++)
-        if (lane == 0 && warp + k * WARPS < NROWS) out(warp + k * WARPS, acc[k]);
-}
 
 // the weight row of entry t of cluster g's QKV rows: q of heads g GROUP .., then k, then v
 __device__ __forceinline__ long long qkv_row(int t, int g, int heads, int kv_heads) {
@@ -144,7 +90,7 @@ extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(THREADS, 1) attn_block
     long long part_stride, int heads, int kv_heads, int window, float scale) {
     const int g = blockIdx.x / CLUSTER, b = blockIdx.y;
     const int c = (int)cluster_rank();
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int tid = threadIdx.x;
     const int kv_len = kv_lens[b];
     if (kv_len <= 0) return;  // a padding row: every block of its clusters leaves here
     extern __shared__ __align__(128) unsigned char smem[];
@@ -289,53 +235,9 @@ extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(THREADS, 1) attn_block
     for (int t = 0; t < ntiles; t++) {
         cp_async_wait<1>();  // tile t (one group a tile is always committed, empty or not)
         __syncthreads();
-        const kv_t *tk = tileK(t & 1), *tv = tileV(t & 1);
         const int valid = min(TILE, s1 - (s0 + t * TILE));
-        for (int i = tid; i < GROUP * TILE; i += THREADS) {
-            const int h = i / TILE, j = i % TILE;
-            float s = NEG_INF;
-            if (j < valid) {
-                float acc = 0.0f;
-#pragma unroll
-                for (int u = 0; u < D / 8; u++) {
-                    float kf[8];
-                    kv8_to_float(tk + j * KSTR + u * 8, kf);
-                    const float *qh = F + F_Q + h * D + u * 8;
-#pragma unroll
-                    for (int k = 0; k < 8; k++) acc = fmaf(qh[k], kf[k], acc);
-                }
-                s = acc * scale2;
-            }
-            F[F_S + i] = s;
-        }
-        __syncthreads();
-        for (int h = warp; h < GROUP; h += WARPS) {  // the running max and sum of head h
-            float mt = NEG_INF;
-            for (int j = lane; j < TILE; j += 32) mt = fmaxf(mt, F[F_S + h * TILE + j]);
-            mt = warp_max(mt);
-            const float m_old = F[F_M + h], m_new = fmaxf(m_old, mt);  // finite: a tile has a key
-            float ps = 0.0f;
-            for (int j = lane; j < TILE; j += 32) {
-                const float p = exp2f(F[F_S + h * TILE + j] - m_new);
-                F[F_S + h * TILE + j] = p;
-                ps += p;
-            }
-            ps = warp_sum(ps);
-            if (lane == 0) {
-                const float a = exp2f(m_old - m_new);
-                F[F_ALPHA + h] = a;
-                F[F_L + h] = F[F_L + h] * a + ps;
-                F[F_M + h] = m_new;
-            }
-        }
-        __syncthreads();
-        for (int i = tid; i < QW; i += THREADS) {
-            const int h = i / D, d = i % D;
-            float acc = F[F_ACC + i] * F[F_ALPHA + h];
-            for (int j = 0; j < valid; j++) acc = fmaf(F[F_S + h * TILE + j], kv_to_float(tv[j * KSTR + d]), acc);
-            F[F_ACC + i] = acc;
-        }
-        __syncthreads();  // buffer t & 1 is free
+        attend_tile(tileK(t & 1), tileV(t & 1), valid, F + F_Q, F + F_S, F + F_M, F + F_L, F + F_ALPHA, F + F_ACC,
+                    scale2);  // buffer t & 1 is free after it
         issue_tile(t + 2);
         place_new(t + 2);
         cp_async_commit();

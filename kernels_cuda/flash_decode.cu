@@ -164,7 +164,18 @@ __device__ __forceinline__ void swapped_tile(const kv_t *cK, const kv_t *cV, con
 }
 #endif
 
-extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_decode_chunk(
+// The dynamic shared memory of a block (flash_decode.smem_bytes): the 16-row query tile (none
+// in the SWAP form) and the double-buffered K/V tiles.
+#if KV_FP8
+constexpr int SMEM_BYTES = (SWAP ? 0 : 2 * 16 * LDS) + 4 * KEYS * SROW;
+#else
+constexpr int SMEM_BYTES = 2 * (16 + 4 * KEYS) * LDS;
+#endif
+
+// Split `split` of row b's keys for KV head kvh (the kernel below, one block each; attn_o.cu
+// runs a whole row as one split: max_splits 1).
+__device__ __forceinline__ void decode_split(
+    int split, int kvh, int b,
     const scalar_t *__restrict__ q,         // (B, H, HEAD_DIM)
     const long long *__restrict__ k_ptrs,   // (B)
     const long long *__restrict__ v_ptrs,   // (B)
@@ -177,7 +188,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_decode_c
     int num_heads, int num_kv_heads, int max_splits, int window, float scale) {
     // Before the wait for the previous kernel (the QKV product, which writes q and this
     // step's K/V row) only the step's inputs and K/V rows of earlier steps are read.
-    const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
     const int kv_len = kv_lens[b];
     const int first = window_start(kv_len, window);
     const int span = kv_len - first;
@@ -465,4 +475,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_decode_c
         for (int s = 0; s < splits; s++) O += __ldcg(po_h + (long long)s * HEAD_DIM) * wts[h * MAX_SPLITS + s];
         out[(row0 + h) * HEAD_DIM + d] = from_float(O * inv_l[h]);
     }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_decode_chunk(
+    const scalar_t *__restrict__ q, const long long *__restrict__ k_ptrs, const long long *__restrict__ v_ptrs,
+    const int *__restrict__ kv_lens, long long layer_offset, float *__restrict__ part_o, float *__restrict__ part_ml,
+    int *__restrict__ counters, scalar_t *__restrict__ out, int num_heads, int num_kv_heads, int max_splits,
+    int window, float scale) {
+    decode_split(blockIdx.x, blockIdx.y, blockIdx.z, q, k_ptrs, v_ptrs, kv_lens, layer_offset, part_o, part_ml,
+                 counters, out, num_heads, num_kv_heads, max_splits, window, scale);
 }

@@ -38,6 +38,9 @@ VARIANTS = {"flash_decode": [{"HEAD_DIM": 64, "GROUP": 3}, {"HEAD_DIM": 128, "GR
             "attn_block": [{"HEAD_DIM": 64, "GROUP": 3, "HIDDEN": 576}, {"HEAD_DIM": 64, "GROUP": 2, "HIDDEN": 128,
                                                                           "KV_FP8": 1},
                            {"HEAD_DIM": 16, "GROUP": 3, "HIDDEN": 96}],
+            "attn_o": [{"HEAD_DIM": 64, "GROUP": 3, "HIDDEN": 576}, {"HEAD_DIM": 64, "GROUP": 2, "HIDDEN": 128,
+                                                                      "KV_FP8": 1},
+                       {"HEAD_DIM": 16, "GROUP": 3, "HIDDEN": 96}],
             "mlp_block": [{"HIDDEN": 576, "QW": 576, "INTER": 1536}, {"HIDDEN": 128, "QW": 192, "INTER": 256}],
             "read_patterns": [{"PATTERN": 0, "DEPTH": 8}, {"PATTERN": 3, "DEPTH": 4}, {"PATTERN": 3, "DEPTH": 8}]}
 FP8_ONLY = {"quant"}  # families that are all e4m3
@@ -65,7 +68,7 @@ def test_every_kernel_family_compiles(tmp_path):
     all_jobs = list(jobs())
     assert {cu.stem for cu, _ in all_jobs} >= {"embedding", "rmsnorm", "rope", "activation", "gemv",
                                                "flash_decode", "flash_prefill", "sampling", "read_patterns",
-                                               "attn_block", "mlp_block"}
+                                               "attn_block", "attn_o", "mlp_block"}
     with ThreadPoolExecutor(max_workers=2) as pool:
         failures = [r for r in pool.map(build, all_jobs) if r[2] != 0]
     assert not failures, "\n".join(f"{name} {defines}:\n{err}" for name, defines, _, err in failures)

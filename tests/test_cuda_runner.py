@@ -250,6 +250,24 @@ def test_attention_block_in_one_kernel_matches_the_separate_kernels(tmp_path, na
     graphed_step_runs(model, prompts, "fuse_attention", kv_dtype=kv_dtype)
 
 
+@pytest.mark.parametrize("name,kv_dtype", [("llama_hd64", "auto"), ("llama_hd64", "fp8"), ("qwen2", "auto"),
+                                           ("mistral", "auto"), ("llama_tied_mha", "auto")])
+def test_attention_and_o_in_one_kernel_match_the_separate_kernels(tmp_path, name, kv_dtype, monkeypatch):
+    """Decode steps of a small model may run the attention and the o product as one kernel
+    (_attn_o): the same step through the separate kernels gives logits as close as a change in
+    the order of sums allows, and the same greedy tokens up to near ties; a sliding window
+    (mistral, 6 keys) and an o bias (llama_tied_mha) included. The captured graphs run it too."""
+    import engine.runner.cuda_runner as cr
+    model = load_model(str(build_tiny_model(tmp_path, name, seed=5)), with_tokenizer=False)
+    gpu = cuda_runner(model, max_model_len=REGION, kv_dtype=kv_dtype, eager=True)
+    assert gpu.attn_o_fits
+    gpu.fuse_attn_o = True
+    assert gpu._attn_o(1) and gpu._attn_o(16) and not gpu._attn_o(17)
+    prompts = fused_decode_matches(gpu, "fuse_attn_o", np.random.default_rng(6))
+    monkeypatch.setattr(cr, "FUSE_ATTN_O", True)
+    graphed_step_runs(model, prompts, "fuse_attn_o", kv_dtype=kv_dtype)
+
+
 @pytest.mark.parametrize("name", ["llama_hd64", "llama_tied_mha"])
 def test_mlp_block_in_one_kernel_matches_the_separate_kernels(tmp_path, name, monkeypatch):
     """Steps of up to 16 rows of a small model may run o .. down as one kernel (_mlp_block, off

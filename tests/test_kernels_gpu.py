@@ -863,6 +863,62 @@ def test_mlp_block(dtype, shape, with_bias):
 @pytest.mark.parametrize("kv8", [False, True], ids=["kv16", "kv8"])
 @pytest.mark.parametrize("shape", [(576, 9, 3, 64), (96, 6, 2, 16), (128, 2, 1, 64)],
                          ids=["smollm2", "gqa3-hd16", "gqa2-hd64"])
+@pytest.mark.parametrize("window", [0, 300])
+def test_attn_o(dtype, kv8, shape, window):
+    """Attention and the o product in one kernel against float64: rows of 1 to 1,200 cached keys
+    (the token's own the last: up to 19 64-key tiles, the own key in the first, the second and a
+    later tile; a padding row), o in a part per KV head; each row's bits do not depend on the
+    other rows. The cache is only read."""
+    from kernels_cuda.attn_o import attn_o, supported
+    hidden, H, KVH, D = shape
+    if kv8 and D % 32:
+        pytest.skip("the fp8 decode attention takes head dims of multiples of 32")
+    assert supported(hidden, H, KVH, D, kv8)
+    G, region = H // KVH, 1280
+    lens = np.array([1, 70, 0, 700, 1200, 100], np.int32)
+    B = len(lens)
+    q = rounded(rng.standard_normal((B, H, D)).astype(np.float32), dtype)
+    w_o = rounded(rng.standard_normal((hidden, H * D)).astype(np.float32) / np.sqrt(H * D), dtype)
+    kv, kp, vp, pool = kv_cache_rows(kv8, B, region, KVH, D, dtype)
+    pool_before = cp.asnumpy(pool)
+    dq, dw = to_dev(q, dtype), to_dev(w_o, dtype)
+
+    def run(rows):
+        n = len(rows)
+        store = cp.full((KVH, 8, hidden), np.nan, np.float32)  # parts apart, as the runner's
+        attn = cp.zeros((n, H, D), dq.dtype)
+        attn_o(dq[rows], dw, kp[rows], vp[rows], cp.asarray(lens[rows]), 0, KVH, attn, store[:, :n], D ** -0.5,
+               window=window, kv_fp8=kv8)
+        return cp.asnumpy(store[:, :n]), from_dev(attn)
+
+    parts, attn_rows = run(np.arange(B))
+    assert np.isnan(parts[:, 2]).all()  # the padding row is left alone
+    for b in (4, 1):  # each row alone: the same bits
+        np.testing.assert_array_equal(run(np.array([b]))[0][:, 0], parts[:, b])
+    np.testing.assert_array_equal(cp.asnumpy(pool), pool_before)
+    for b, n in enumerate(lens):
+        if n == 0:
+            continue
+        first = max(0, n - window) if window else 0
+        k, v = kv[0, b, first:n].astype(np.float64), kv[1, b, first:n].astype(np.float64)
+        for g in range(KVH):
+            attn = np.zeros((G, D))
+            for j in range(G):
+                sc = k[:, g] @ q[b, g * G + j].astype(np.float64) * D ** -0.5
+                p = np.exp(sc - sc.max())
+                attn[j] = p @ v[:, g] / p.sum()
+            assert rel(attn_rows[b, g * G:(g + 1) * G], attn) < (2e-2 if dtype == "bfloat16" else 3e-3), (b, g)
+            ref = w_o[:, g * G * D:(g + 1) * G * D].astype(np.float64) @ attn.reshape(-1)
+            assert rel(parts[g, b], ref) < (3e-2 if dtype == "bfloat16" else 5e-3), (b, g)
+    with pytest.raises(ValueError, match="out_parts"):
+        attn_o(dq, dw, kp, vp, cp.asarray(lens), 0, KVH, cp.zeros((B, H, D), dq.dtype),
+               cp.zeros((KVH + 1, B, hidden), np.float32), D ** -0.5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv8", [False, True], ids=["kv16", "kv8"])
+@pytest.mark.parametrize("shape", [(576, 9, 3, 64), (96, 6, 2, 16), (128, 2, 1, 64)],
+                         ids=["smollm2", "gqa3-hd16", "gqa2-hd64"])
 @pytest.mark.parametrize("window,with_bias", [(0, False), (300, True)])
 def test_attn_block(dtype, kv8, shape, window, with_bias):
     """The attention block in one kernel against float64: RMSNorm(res + delta), QKV (+ bias),

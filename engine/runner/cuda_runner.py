@@ -26,6 +26,7 @@ import cupyx
 import numpy as np
 
 from kernels_cuda import attn_block as attn_block_module
+from kernels_cuda import attn_o as attn_o_module
 from kernels_cuda import mlp_block as mlp_block_module
 from kernels_cuda.activation import silu_mul
 from kernels_cuda.embedding import embedding
@@ -78,6 +79,16 @@ FOLD_NORM_MAX_ROWS = 1
 # grows from ~1.9 to ~4.1 us while its blocks stream their weight slices. It must serve every
 # step of up to 16 rows or none (batch invariance), so it stays off until it wins at all of them.
 FUSE_ATTENTION = False
+
+# Decode steps of up to GEMV_MAX_ROWS rows of a small model with the attention and the o product
+# as one kernel (CudaRunner._attn_o). Off: on the H200 the SmolLM2 decode graphs at 96 keys
+# (alternated in one process) took 0.380 -> 0.369-0.370 ms at B=1, but 0.459 -> 0.488-0.493 at
+# B=2 and 0.514-0.515 -> 0.568 at B=8 (0.380 -> 0.403-0.406 at B=1 with 160 keys and 8 slices):
+# its stage (4.0 us at B=1) is shorter than the two it replaces (attention 2.8 + o 2.5), but
+# the QKV stage before it grows by 0.3 us and the gate/up stage after it by 0.5 (the norm
+# folded into it adds the o parts). It must serve every decode step of up to 16 rows or none
+# (batch invariance), so it stays off until it wins at all of them.
+FUSE_ATTN_O = False
 
 # Steps of up to GEMV_MAX_ROWS rows of a small model with o, the post-attention norm, gate/up,
 # SiLU and down as one kernel (CudaRunner._mlp_block). Off: on the H200 the SmolLM2 decode
@@ -355,6 +366,10 @@ class CudaRunner:
             and attn_block_module.supported(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                             self.kv_fp8)
         self.fuse_attention = FUSE_ATTENTION and self.attn_block_fits
+        # ... or attention and o as one kernel (_attn_o)
+        self.attn_o_fits = self._norms_fit and not self.quant_fp8 and attn_block_module.device_supported() \
+            and attn_o_module.supported(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.kv_fp8)
+        self.fuse_attn_o = FUSE_ATTN_O and self.attn_o_fits
         # ... and o, the post-attention norm, gate/up, SiLU and down as one kernel (_mlp_block)
         self.mlp_block_fits = self._norms_fit and not self.quant_fp8 and attn_block_module.device_supported() \
             and mlp_block_module.supported(cfg.hidden_size, cfg.q_size, cfg.intermediate_size)
@@ -507,7 +522,7 @@ class CudaRunner:
             act_scale=cp.zeros(A, np.float32) if self.quant_fp8 else None,
             res_alt=cp.zeros((GEMV_MAX_ROWS, cfg.hidden_size), np.float32) if self._norms_fit else None,
             o_parts=cp.zeros((cfg.num_kv_heads, GEMV_MAX_ROWS, cfg.hidden_size), np.float32)
-            if self.attn_block_fits else None,
+            if self.attn_block_fits or self.attn_o_fits else None,
             down_parts=cp.zeros((mlp_block_module.parts(cfg.intermediate_size), GEMV_MAX_ROWS, cfg.hidden_size),
                                 np.float32) if self.mlp_block_fits else None,
             inputs=StagedInputs(R, fields),
@@ -651,6 +666,13 @@ class CudaRunner:
         sums), which prefill and mixed steps still run."""
         return self.fuse_attention and self.attn_block_fits and self._fused(n)
 
+    def _attn_o(self, n: int) -> bool:
+        """Decode steps of up to GEMV_MAX_ROWS rows of a small model (attn_o.supported) run the
+        attention and the o product as one kernel (kernels_cuda/attn_o.cu), its o in a part per
+        KV head that the post-attention norm adds. Every such decode step does, so rows stay
+        batch-invariant; not with the attention block in one kernel (_attn_block)."""
+        return self.fuse_attn_o and self.attn_o_fits and self._fused(n) and not self._attn_block(n)
+
     def _mlp_block(self, n: int) -> bool:
         """Steps of up to GEMV_MAX_ROWS rows of a small model (mlp_block.supported: its blocks'
         weight slices fit in shared memory) run o, the residual add and post-attention norm,
@@ -658,7 +680,7 @@ class CudaRunner:
         instead of 3. Every such step does, decode and prefill, so rows stay batch-invariant;
         the bits differ from the separate kernels' (other orders of sums), which larger steps
         run. Not with the attention block in one kernel (_attn_block)."""
-        return self.fuse_mlp and self._fused(n) and not self._attn_block(n)
+        return self.fuse_mlp and self._fused(n) and not self._attn_block(n) and not self._attn_o(n)
 
     def _mlp_down(self, i: int) -> cp.ndarray:
         """Layer i's down matrix as _mlp_block reads it (mlp_block.down_blocks: a block's
@@ -688,7 +710,9 @@ class CudaRunner:
         normed_q, act_q = self._quant_in(n, cfg.hidden_size), self._quant_in(n, cfg.intermediate_size)
         # the residual stream's buffers: [the one holding it, the other]; a folded norm with a
         # delta reads the first and writes the sum to the second, which then holds the stream
-        block, mlp = kv_lens is not None, self._mlp_block(n)
+        block = kv_lens is not None and self._attn_block(n)
+        attn_o = kv_lens is not None and self._attn_o(n)
+        mlp = self._mlp_block(n) and not attn_o
         res = [b.embed_out[:n], b.res_alt[:n] if fold or block or mlp else None]
         last_down = None  # the last down product, not yet added to the residual stream
 
@@ -721,17 +745,24 @@ class CudaRunner:
                 scales = self._linear(b.norm_out[:n], layer.qkv_proj, qkv, xq=normed_q)
                 rope_kv_write(qkv, *rope_in, cfg.head_dim, b.q_rot[:n], bias=layer.qkv_bias, pdl=self._launch_pdl,
                               kv_fp8=self.kv_fp8, scales=scales)
-            attention(offset)
-            attn = b.attn_out[:n].reshape(n, cfg.q_size)
-            if mlp:
-                last_down = b.down_parts[:, :n]
-                mlp_block_module.mlp_block(res[0], attn, layer.o_proj, layer.o_bias, layer.post_attention_layernorm,
-                                           eps, res[1], layer.gate_up_proj, self._mlp_down(i), last_down,
-                                           pdl=self._launch_pdl)
-                res.reverse()
-                continue
-            o_out = self._product("o", n)
-            scales = self._linear(attn, layer.o_proj, o_out, pdl=self._launch_pdl and attn.nbytes <= O_PROJ_PDL_MAX_INPUT)
+            if attn_o:
+                o_out, scales = b.o_parts[:, :n], None
+                attn_o_module.attn_o(b.q_rot[:n], layer.o_proj, k_ptrs, v_ptrs, kv_lens, offset, cfg.num_kv_heads,
+                                     b.attn_out[:n], o_out, cfg.softmax_scale, cfg.sliding_window or 0,
+                                     pdl=self._launch_pdl, kv_fp8=self.kv_fp8)
+            else:
+                attention(offset)
+                attn = b.attn_out[:n].reshape(n, cfg.q_size)
+                if mlp:
+                    last_down = b.down_parts[:, :n]
+                    mlp_block_module.mlp_block(res[0], attn, layer.o_proj, layer.o_bias,
+                                               layer.post_attention_layernorm, eps, res[1], layer.gate_up_proj,
+                                               self._mlp_down(i), last_down, pdl=self._launch_pdl)
+                    res.reverse()
+                    continue
+                o_out = self._product("o", n)
+                scales = self._linear(attn, layer.o_proj, o_out,
+                                      pdl=self._launch_pdl and attn.nbytes <= O_PROJ_PDL_MAX_INPUT)
             norm = None
             if fold:
                 norm = folded(o_out, layer.post_attention_layernorm, layer.o_bias)
@@ -802,7 +833,7 @@ class CudaRunner:
             self._decode_attention(n, b.q_rot[:n], d["k_ptrs"][:n], d["v_ptrs"][:n], d["kv_lens"][:n], offset)
 
         down_scales, residual, delta = self._layers(n, (d["positions"][:n], d["k_ptrs"][:n], d["v_ptrs"][:n]),
-                                                    attention, kv_lens=d["kv_lens"][:n] if self._attn_block(n) else None)
+                                                    attention, kv_lens=d["kv_lens"][:n])
         # the final norm is a kernel of its own even where _fold_norms: the LM head has the most
         # blocks, each of which would norm the row again (H200, SmolLM2 B=1 graph 0.404 -> 0.400 ms)
         add_rms_norm(residual, delta, w.norm, cfg.rms_norm_eps, out=b.final_norm_out[:n],
