@@ -9,9 +9,8 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
+from . import flash_decode
 from ._module import check, check_scalar, f32, function, i32, i64, launch, module, use_bf16
-from .flash_decode import CHUNK_THREADS, swapped
-from .flash_decode import smem_bytes as decode_smem_bytes
 from .rmsnorm import delta_parts
 
 SLICES = 16  # attn_o.cu's blocks a KV head a row, each a sixteenth of the output features (H200, SmolLM2
@@ -25,7 +24,7 @@ def _align16(n: int) -> int:
 
 def smem_bytes(hidden: int, head_dim: int, group: int, kv_fp8: bool, slices: int = SLICES) -> int:
     """attn_o.cu's layout: flash_decode's (its decode_split), then the block's o weight slice."""
-    return _align16(decode_smem_bytes(head_dim, kv_fp8, group)) + hidden // slices * group * head_dim * 2
+    return _align16(flash_decode.smem_bytes(head_dim, kv_fp8, group)) + hidden // slices * group * head_dim * 2
 
 
 def supported(hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, kv_fp8: bool) -> bool:
@@ -66,9 +65,9 @@ def attn_o(q: cp.ndarray, w_o: cp.ndarray, k_ptrs: cp.ndarray, v_ptrs: cp.ndarra
     _, part_stride = delta_parts(out_parts, B, hidden, "out_parts")
     group = heads // num_kv_heads
     mod = module("attn_o", USE_BF16=use_bf16(q), HEAD_DIM=head_dim, GROUP=group, HIDDEN=hidden, SLICES=SLICES,
-                 KV_FP8=int(kv_fp8), SWAP=int(swapped(group, kv_fp8)))
+                 KV_FP8=int(kv_fp8), SWAP=int(flash_decode.swapped(group, kv_fp8)))
     smem = smem_bytes(hidden, head_dim, group, kv_fp8)
-    launch(function(mod, "attn_o", smem), (SLICES * num_kv_heads, B), (CHUNK_THREADS,),
+    launch(function(mod, "attn_o", smem), (SLICES * num_kv_heads, B), (flash_decode.CHUNK_THREADS,),
            (q, w_o, k_ptrs, v_ptrs, kv_lens, i64(layer_offset), attn_out, out_parts, i64(part_stride), i32(heads),
             i32(num_kv_heads), i32(window), f32(scale)), shared_mem=smem, pdl=pdl)
     return out_parts

@@ -696,8 +696,9 @@ class CudaRunner:
         residual stream ends un-added (the last down projection is added by the caller,
         with the scales returned: see _linear). rope: (positions, k_ptrs, v_ptrs) of the n
         tokens; attention(layer_offset) reads q_rot and writes attn_out. kv_lens (n one-token
-        rows' key counts): each layer's attention block runs as one kernel instead
-        (_attn_block), and `attention` is not called. With float8 products
+        rows' key counts, decode steps): where _attn_block, each layer's attention block runs as
+        one kernel instead; where _attn_o, its attention and o do; `attention` is then not
+        called. With float8 products
         the normed rows and SiLU * up go to them as codes only (_quant_in). Returns (those
         scales, the residual stream's buffer: embed_out, or res_alt where _fold_norms or
         _mlp_block left it there, and the last down product to add to it: down_out, or
@@ -712,7 +713,7 @@ class CudaRunner:
         # delta reads the first and writes the sum to the second, which then holds the stream
         block = kv_lens is not None and self._attn_block(n)
         attn_o = kv_lens is not None and self._attn_o(n)
-        mlp = self._mlp_block(n) and not attn_o
+        mlp = self._mlp_block(n)
         res = [b.embed_out[:n], b.res_alt[:n] if fold or block or mlp else None]
         last_down = None  # the last down product, not yet added to the residual stream
 
