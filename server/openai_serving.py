@@ -29,10 +29,13 @@ _DONE = "data: [DONE]\n\n"
 
 
 _ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))  # one, not one a call (json.dumps)
+# Characters that JSON leaves raw (ensure_ascii=False) but that line readers split on (Python's
+# str.splitlines, hence httpx's aiter_lines): escaped, an SSE data line stays one line for them.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
 def _json(obj: Any) -> str:
-    return _ENCODER.encode(obj)
+    return _ENCODER.encode(obj).translate(_LINE_BREAKS)
 
 
 class _Events:

@@ -85,3 +85,18 @@ def test_health_reports_loading_and_draining(smollm2_path):
     assert loading.status_code == 503 and loading.json()["status"] == "loading"
     assert completion.status_code == 503 and completion.json()["error"]["code"] == "loading"
     assert completion.headers["Retry-After"] == "1"
+
+
+def test_stream_events_stay_one_line_for_unicode_line_breaks():
+    """Text with the characters that JSON leaves raw but line readers split on (U+0085, U+2028,
+    U+2029: str.splitlines, httpx's aiter_lines) goes out escaped: each SSE data line is one
+    line for such a reader, and decodes to the text. (A load test's stream was cut there.)"""
+    from server.openai_serving import _Events
+    text = "a\u2028b\x85c\u2029d\n\u00e9"
+    event = _Events(id="cmpl-1", object="text_completion", created=1, model="m")(
+        choices=[{"index": 0, "text": text}])
+    assert event.endswith("\n\n")
+    lines = event[:-2].splitlines()
+    assert len(lines) == 1 and lines[0].startswith("data: ")
+    assert json.loads(lines[0][6:])["choices"][0]["text"] == text
+    assert "\u00e9" in event  # other text stays as it is (no ASCII escapes)
