@@ -157,10 +157,15 @@ def test_mixed_step_attention_on_two_streams_gives_the_same_bits(tmp_path, kv_dt
 @pytest.mark.parametrize("kv_dtype,quant", [("auto", None), ("fp8", "fp8")])
 def test_warm_up_leaves_serving_steps_nothing_to_build(tmp_path, kv_dtype, quant, monkeypatch):
     """Building the runner runs its ragged path at each power of two of tokens up to the step
-    budget (_warm_up), so the steps serving makes next build no kernel module and query no
+    budget (_warm_up) and the launches that path's steps vary by (_warm_up_gathers), so the
+    steps serving makes next build no kernel module, compile no CuPy kernel and query no
     cuBLASLt algorithm: no compile lands in a first request's time to first token. Prompts
-    alone (past the wide kernels' 512 rows), decode rows beside a short prompt, a chunk
-    after a prefix, a few tokens; each sampling."""
+    alone (past the wide kernels' 512 rows), decode rows beside a short prompt (2 and 5 rows:
+    the decode attention's launch bounds follow the row count), a chunk after a prefix, a few
+    tokens; each sampling. (CuPy keeps its kernels for the process: its part of the check
+    bites where no earlier test built the same gathers.)"""
+    import cupy.cuda.compiler as cupy_compiler
+
     from kernels_cuda import _module, gemm
     monkeypatch.setattr(_module, "_MODULES", {})  # what other tests built does not count
     monkeypatch.setattr(gemm, "_lt", None)
@@ -168,6 +173,10 @@ def test_warm_up_leaves_serving_steps_nothing_to_build(tmp_path, kv_dtype, quant
     gpu = cuda_runner(model, max_model_len=REGION, kv_dtype=kv_dtype, quantization=quant)
     built = set(_module._MODULES)
     algos = set(gemm._lt.algos) if gemm._lt is not None else set()
+    compiled = []
+    compile_module = cupy_compiler._compile_module_with_cache
+    monkeypatch.setattr(cupy_compiler, "_compile_module_with_cache",
+                        lambda *a, **k: compiled.append(a[:1]) or compile_module(*a, **k))
     r = np.random.default_rng(6)
 
     def prompt(n: int) -> list[int]:
@@ -178,6 +187,7 @@ def test_warm_up_leaves_serving_steps_nothing_to_build(tmp_path, kv_dtype, quant
 
     steps = [[row(0, prompt(300), 0), row(1, prompt(500), 0)],
              [row(0, [5], 300), row(1, [6], 500), row(2, prompt(3), 0)],
+             [*(row(s, [7], 300) for s in range(5)), row(5, prompt(4), 0)],
              [row(3, prompt(200), 250)],
              [row(4, prompt(9), 0)],
              # one-token rows only, one of them a prompt's first chunk that samples nothing: the
@@ -186,6 +196,7 @@ def test_warm_up_leaves_serving_steps_nothing_to_build(tmp_path, kv_dtype, quant
     for step in steps:  # every sampling row gets its token
         assert set(gpu.execute(SchedulerOutput(step)).sampled) == {x.seq_id for x in step if x.sample}
     assert set(_module._MODULES) == built, sorted(set(_module._MODULES) - built)
+    assert not compiled, [src[0][:200] for src in compiled]
     if quant:
         assert set(gemm._lt.algos) == algos, sorted(set(gemm._lt.algos) - algos)
 

@@ -923,7 +923,39 @@ class CudaRunner:
                 slot, left = slot + start + n, left - n
             self._execute_varlen(rows)
         self._sampled_at = {}
+        self._warm_up_gathers()
         log.debug("warm-up: ragged steps of %s tokens", sizes)
+
+    def _warm_up_gathers(self) -> None:
+        """What the warm-up's steps leave unbuilt, built with launches that do no work: the
+        decode attention of a mixed step's decode rows at each count of them (its launch bounds
+        follow the row count, not the bucket's: the ends of each bucket's range), and CuPy's
+        gathers of sampled rows (_sample_rows) and of pending tokens (_pending_inputs). H200,
+        8B fp8 at 128 rows, first run after start on a cold kernel cache: a mixed step took
+        388 ms and the step where the first requests finished 221-275 ms, compiling these."""
+        b, d = self.buffers, self.buffers.inputs.dev
+        with self.stream:
+            empty = cp.zeros(self.rows, np.int32)  # rows of no keys: every block leaves at once
+            low = 1
+            for bucket in BUCKETS:
+                if bucket > self.rows:
+                    break
+                for nd in sorted({low, bucket}):
+                    self._decode_attention(nd, b.q_rot[:nd], d["k_ptrs"][:nd], d["v_ptrs"][:nd], empty[:nd], 0)
+                low = bucket + 1
+            self._sample_rows(b.norm_out[:1], np.zeros(1, np.int64), 1)
+            scratch = cp.zeros(1, d["input_ids"].dtype)
+            for dst_type in (np.int64, np.int32):  # decode steps' row numbers; ragged steps' q_start
+                self._gather_sampled(scratch, np.zeros(1, dst_type), [0])
+            self.stream.synchronize()
+
+    def _sample_rows(self, hidden: cp.ndarray, rows: np.ndarray, n: int) -> None:
+        """final_norm_out[:n] = hidden[rows] (the rows whose tokens the LM head samples)."""
+        cp.take(hidden, cp.asarray(rows), axis=0, out=self.buffers.final_norm_out[:n])
+
+    def _gather_sampled(self, ids: cp.ndarray, dst: np.ndarray, src: list[int]) -> None:
+        """ids[dst] = sampled[src] on the stream (_pending_inputs' gather)."""
+        ids[cp.asarray(dst)] = self.buffers.sampled[cp.asarray(np.asarray(src, np.int64))]
 
     # ------------------------------------------------------------------ step inputs
 
@@ -1049,7 +1081,7 @@ class CudaRunner:
             cp.cuda.runtime.memcpyAsync(ids.data.ptr, sampled.data.ptr, len(src) * ids.itemsize,
                                         cp.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
         else:
-            ids[cp.asarray(dst)] = sampled[cp.asarray(np.asarray(src, np.int64))]
+            self._gather_sampled(ids, dst, src)
 
     def _decodes(self, out: SchedulerOutput) -> bool:
         """Whether a step runs as a decode step (one graph), not through the ragged path."""
@@ -1206,7 +1238,7 @@ class CudaRunner:
             if n == 0:
                 self.stream.synchronize()
                 return lambda: result
-            cp.take(b.norm_out[:T], cp.asarray(last_tok), axis=0, out=b.final_norm_out[:n])
+            self._sample_rows(b.norm_out[:T], last_tok, n)
             self._linear(b.final_norm_out[:n], w.lm_head, b.logits[:n])
             sampling_rows = [rows[i] for i in logit_rows]
             b.inputs.writable()
