@@ -94,13 +94,7 @@ extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(THREADS, 1) attn_block
     const int kv_len = kv_lens[b];
     if (kv_len <= 0) return;  // a padding row: every block of its clusters leaves here
     extern __shared__ __align__(128) unsigned char smem[];
-#if defined(__CUDA_ARCH__)
-    if (tid == 0) {
-        unsigned have;
-        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
-        if (have < SMEM_BYTES) __trap();  // attn_block.py's smem_bytes disagrees with this file
-    }
-#endif
+    if (tid == 0 && dynamic_smem_bytes() < SMEM_BYTES) __trap();  // attn_block.py's smem_bytes disagrees with this file
     scalar_t *sW = reinterpret_cast<scalar_t *>(smem + OFF_W);
     scalar_t *sO = reinterpret_cast<scalar_t *>(smem + OFF_O);
     scalar_t *sX = reinterpret_cast<scalar_t *>(smem + OFF_X);

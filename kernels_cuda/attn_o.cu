@@ -56,13 +56,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_o(
     const int tid = threadIdx.x;
     if (kv_lens[b] <= 0) return;  // a padding row: its parts are not read for anything kept
     extern __shared__ __align__(128) unsigned char attn_smem[];  // decode_split's, then sO
-#if defined(__CUDA_ARCH__)
-    if (tid == 0) {
-        unsigned have;
-        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
-        if (have < ATTN_O_SMEM) __trap();  // attn_o.py's smem_bytes disagrees with this file
-    }
-#endif
+    if (tid == 0 && dynamic_smem_bytes() < ATTN_O_SMEM) __trap();  // attn_o.py's smem_bytes disagrees with this file
     scalar_t *sO = reinterpret_cast<scalar_t *>(attn_smem + OFF_O);
     __shared__ __align__(8) unsigned long long wbar;
     if (tid == 0) {

@@ -62,6 +62,16 @@ __device__ __forceinline__ void mbar_wait(unsigned long long *bar, unsigned pari
 #endif
 }
 
+// The block's dynamic shared memory, to check it against the layout a kernel file computes
+// (the Python side's smem_bytes must agree with it).
+__device__ __forceinline__ unsigned dynamic_smem_bytes() {
+    unsigned have = 0;
+#if defined(__CUDA_ARCH__)
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
+#endif
+    return have;
+}
+
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 #define CLUSTER_DIMS __cluster_dims__(CLUSTER, 1, 1)
 #else

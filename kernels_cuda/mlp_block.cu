@@ -155,13 +155,7 @@ extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(THREADS, 1) mlp_block(
     const int c = (int)cluster_rank();
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     extern __shared__ __align__(128) unsigned char smem[];
-#if defined(__CUDA_ARCH__)
-    if (tid == 0) {
-        unsigned have;
-        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
-        if (have < SMEM_BYTES || B > MAX_ROWS) __trap();  // mlp_block.py disagrees with this file
-    }
-#endif
+    if (tid == 0 && (dynamic_smem_bytes() < SMEM_BYTES || B > MAX_ROWS)) __trap();  // mlp_block.py disagrees with this file
     scalar_t *sO = reinterpret_cast<scalar_t *>(smem + OFF_O);
     scalar_t *sGU = reinterpret_cast<scalar_t *>(smem + OFF_GU);
     scalar_t *sD = reinterpret_cast<scalar_t *>(smem + OFF_D);
