@@ -111,6 +111,14 @@ def sm_count() -> int:
     return _sm_count(cp.cuda.Device().id)
 
 
+MAX_BLOCK_SMEM = 227 << 10  # shared memory a block may have on sm_90
+
+
+def align16(n: int) -> int:
+    """n rounded up to a multiple of 16 (a shared-memory layout's 16-byte pieces)."""
+    return -(-n // 16) * 16
+
+
 def use_bf16(arr: cp.ndarray) -> int:
     check_scalar(arr, "tensor")
     return int(arr.dtype == np.uint16)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
-from ._module import check, check_scalar, f32, function, i32, i64, launch, module, ptr_or_null, use_bf16
+from ._module import (MAX_BLOCK_SMEM, align16, check, check_scalar, f32, function, i32, i64, launch, module,
+                      ptr_or_null, use_bf16)
 from .gemv import NormIn
 from .rmsnorm import delta_parts
 from .rope import check_rope_args
@@ -16,11 +17,6 @@ from .rope import check_rope_args
 CLUSTER = 8  # attn_block.cu's blocks a cluster: the KV head's keys and weight rows in eighths
 THREADS = 256
 TILE = 64
-MAX_SMEM = 227 << 10  # shared memory a block may have on sm_90
-
-
-def _align16(n: int) -> int:
-    return -(-n // 16) * 16
 
 
 def smem_bytes(hidden: int, head_dim: int, group: int, kv_fp8: bool) -> int:
@@ -29,9 +25,9 @@ def smem_bytes(hidden: int, head_dim: int, group: int, kv_fp8: bool) -> int:
     kv = 1 if kv_fp8 else 2
     rw, qw = (group + 2) * head_dim, group * head_dim
     rc, oc = rw // CLUSTER, hidden // CLUSTER
-    tile = _align16(TILE * (head_dim + 16 // kv) * kv)
-    fixed = (_align16(rc * hidden * 2) + _align16(oc * qw * 2) + _align16(hidden * 2) + 4 * tile
-             + _align16(2 * head_dim * kv))
+    tile = align16(TILE * (head_dim + 16 // kv) * kv)
+    fixed = (align16(rc * hidden * 2) + align16(oc * qw * 2) + align16(hidden * 2) + 4 * tile
+             + align16(2 * head_dim * kv))
     floats = rc + rw + qw + group * TILE + 3 * group + 2 * qw + 2 * CLUSTER * group + head_dim + 32
     return fixed + 4 * floats
 
@@ -49,7 +45,7 @@ def supported(hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, kv_
     group = num_heads // num_kv_heads
     if ((group + 2) * head_dim) % CLUSTER or hidden % CLUSTER or hidden % 8:
         return False
-    return smem_bytes(hidden, head_dim, group, kv_fp8) <= MAX_SMEM
+    return smem_bytes(hidden, head_dim, group, kv_fp8) <= MAX_BLOCK_SMEM
 
 
 def attn_block(norm: NormIn, w_qkv: cp.ndarray, qkv_bias: cp.ndarray | None, w_o: cp.ndarray,

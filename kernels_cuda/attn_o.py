@@ -10,21 +10,17 @@ import cupy as cp
 import numpy as np
 
 from . import flash_decode
-from ._module import check, check_scalar, f32, function, i32, i64, launch, module, use_bf16
+from ._module import (MAX_BLOCK_SMEM, align16, check, check_scalar, f32, function, i32, i64, launch, module,
+                      use_bf16)
 from .rmsnorm import delta_parts
 
 SLICES = 16  # attn_o.cu's blocks a KV head a row, each a sixteenth of the output features (H200, SmolLM2
 # B=1 graphs at 96 keys: 8 slices 0.376-0.380 ms, 16 0.369-0.370, 24 0.375-0.378)
-MAX_SMEM = 227 << 10  # shared memory a block may have on sm_90
-
-
-def _align16(n: int) -> int:
-    return -(-n // 16) * 16
 
 
 def smem_bytes(hidden: int, head_dim: int, group: int, kv_fp8: bool, slices: int = SLICES) -> int:
     """attn_o.cu's layout: flash_decode's (its decode_split), then the block's o weight slice."""
-    return _align16(flash_decode.smem_bytes(head_dim, kv_fp8, group)) + hidden // slices * group * head_dim * 2
+    return align16(flash_decode.smem_bytes(head_dim, kv_fp8, group)) + hidden // slices * group * head_dim * 2
 
 
 def supported(hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, kv_fp8: bool) -> bool:
@@ -34,7 +30,7 @@ def supported(hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, kv_
         return False
     if num_heads // num_kv_heads > 16 or head_dim > 256:
         return False
-    return smem_bytes(hidden, head_dim, num_heads // num_kv_heads, kv_fp8) <= MAX_SMEM
+    return smem_bytes(hidden, head_dim, num_heads // num_kv_heads, kv_fp8) <= MAX_BLOCK_SMEM
 
 
 def attn_o(q: cp.ndarray, w_o: cp.ndarray, k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, kv_lens: cp.ndarray,

@@ -10,6 +10,8 @@ import cupy as cp
 import numpy as np
 
 from ._module import (
+    MAX_BLOCK_SMEM,
+    align16,
     check,
     check_scalar,
     f32,
@@ -28,20 +30,15 @@ FEAT = 16  # intermediate features a block owns
 THREADS = 256
 MAX_ROWS = 16
 PAD = 8  # 16-bit values after each shared-memory row
-MAX_SMEM = 227 << 10  # shared memory a block may have on sm_90
-
-
-def _align16(n: int) -> int:
-    return -(-n // 16) * 16
 
 
 def smem_bytes(hidden: int, q_width: int) -> int:
     """mlp_block.cu's layout: the o, gate/up and down weight slices, the attention / normed rows, SiLU *
     up, the block's o features, gate and up, and the down share (also the warps' sums)."""
     oc = hidden // CLUSTER
-    fixed = (_align16(oc * (q_width + PAD) * 2) + _align16(2 * FEAT * (hidden + PAD) * 2)
-             + _align16(hidden * FEAT * 2) + _align16(MAX_ROWS * (max(q_width, hidden) + PAD) * 2)
-             + _align16(MAX_ROWS * (FEAT + PAD) * 2) + _align16(MAX_ROWS * oc * 4) + _align16(MAX_ROWS * 2 * FEAT * 4))
+    fixed = (align16(oc * (q_width + PAD) * 2) + align16(2 * FEAT * (hidden + PAD) * 2)
+             + align16(hidden * FEAT * 2) + align16(MAX_ROWS * (max(q_width, hidden) + PAD) * 2)
+             + align16(MAX_ROWS * (FEAT + PAD) * 2) + align16(MAX_ROWS * oc * 4) + align16(MAX_ROWS * 2 * FEAT * 4))
     red = 8 * max(oc // 8, 2 * FEAT // 8) * 128
     return fixed + 4 * max(MAX_ROWS * hidden, red)
 
@@ -64,7 +61,7 @@ def supported(hidden: int, q_width: int, intermediate: int) -> bool:
     shared memory within sm_90's."""
     if hidden % (8 * CLUSTER) or q_width % 16 or hidden % 16 or intermediate % (FEAT * CLUSTER):
         return False
-    return smem_bytes(hidden, q_width) <= MAX_SMEM
+    return smem_bytes(hidden, q_width) <= MAX_BLOCK_SMEM
 
 
 def mlp_block(res: cp.ndarray, attn: cp.ndarray, w_o: cp.ndarray, o_bias: cp.ndarray | None, norm_w: cp.ndarray,

@@ -157,7 +157,7 @@ def test_mixed_step_attention_on_two_streams_gives_the_same_bits(tmp_path, kv_dt
 @pytest.mark.parametrize("kv_dtype,quant", [("auto", None), ("fp8", "fp8")])
 def test_warm_up_leaves_serving_steps_nothing_to_build(tmp_path, kv_dtype, quant, monkeypatch):
     """Building the runner runs its ragged path at each power of two of tokens up to the step
-    budget (_warm_up) and the launches that path's steps vary by (_warm_up_gathers), so the
+    budget (_warm_up) and the launches that path's steps vary by (_warm_up_first_uses), so the
     steps serving makes next build no kernel module, compile no CuPy kernel and query no
     cuBLASLt algorithm: no compile lands in a first request's time to first token. Prompts
     alone (past the wide kernels' 512 rows), decode rows beside a short prompt (2 and 5 rows:

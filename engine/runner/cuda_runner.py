@@ -923,10 +923,10 @@ class CudaRunner:
                 slot, left = slot + start + n, left - n
             self._execute_varlen(rows)
         self._sampled_at = {}
-        self._warm_up_gathers()
+        self._warm_up_first_uses()
         log.debug("warm-up: ragged steps of %s tokens", sizes)
 
-    def _warm_up_gathers(self) -> None:
+    def _warm_up_first_uses(self) -> None:
         """What the warm-up's steps leave unbuilt, built with launches that do no work: the
         decode attention of a mixed step's decode rows at each count of them (its launch bounds
         follow the row count, not the bucket's: the ends of each bucket's range), and CuPy's
@@ -949,8 +949,9 @@ class CudaRunner:
                 self._gather_sampled(scratch, np.zeros(1, dst_type), [0])
             self.stream.synchronize()
 
-    def _sample_rows(self, hidden: cp.ndarray, rows: np.ndarray, n: int) -> None:
-        """final_norm_out[:n] = hidden[rows] (the rows whose tokens the LM head samples)."""
+    def _sample_rows(self, hidden: cp.ndarray, rows, n: int) -> None:
+        """final_norm_out[:n] = hidden[rows] (host or device row numbers): the rows the LM
+        head takes."""
         cp.take(hidden, cp.asarray(rows), axis=0, out=self.buffers.final_norm_out[:n])
 
     def _gather_sampled(self, ids: cp.ndarray, dst: np.ndarray, src: list[int]) -> None:
@@ -1266,7 +1267,7 @@ class CudaRunner:
         with self.stream:
             for p0 in range(0, len(wanted), self.rows):
                 idx = wanted[p0:p0 + self.rows]
-                cp.take(b.norm_out[:T], cp.asarray(idx), axis=0, out=b.final_norm_out[:len(idx)])
+                self._sample_rows(b.norm_out[:T], idx, len(idx))
                 self._linear(b.final_norm_out[:len(idx)], self.weights.lm_head, b.logits[:len(idx)])
                 logits[p0:p0 + len(idx)] = cp.asnumpy(b.logits[:len(idx)], stream=self.stream)
             self.stream.synchronize()
@@ -1284,7 +1285,7 @@ class CudaRunner:
             p1 = min(last + 1, p0 + self.rows)
             n = p1 - p0
             src = cp.arange(first_token + p0 - 1 - row.start_pos, first_token + p1 - 1 - row.start_pos)
-            cp.take(b.norm_out, src, axis=0, out=b.final_norm_out[:n])
+            self._sample_rows(b.norm_out, src, n)
             self._linear(b.final_norm_out[:n], self.weights.lm_head, b.logits[:n])
             targets = cp.asarray(np.array(prompt[p0:p1], np.int32))
             lp_n = cp.full(n, top_n, np.int32)
