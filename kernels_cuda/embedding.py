@@ -5,19 +5,27 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
-from ._module import check, i32, launch, module, use_bf16
+from ._module import check, i32, launch, module, ptr_or_null, use_bf16
 
 
-def embedding(ids: cp.ndarray, table: cp.ndarray, out: cp.ndarray | None = None, pdl: bool = False) -> cp.ndarray:
-    """out (T, hidden) float32 = table[ids]; ids (T,) int32, table (vocab, hidden) 16-bit."""
+def embedding(ids: cp.ndarray, table: cp.ndarray, out: cp.ndarray | None = None, pdl: bool = False,
+              src: cp.ndarray | None = None, sampled: cp.ndarray | None = None) -> cp.ndarray:
+    """out (T, hidden) float32 = table[ids]; ids (T,) int32, table (vocab, hidden) 16-bit.
+    With src (T,) int32 and sampled int32: token t is sampled[src[t]] where src[t] >= 0."""
     check(ids, "ids", np.int32)
     if table.ndim != 2:
         raise ValueError(f"table: expected (vocab, hidden), got {table.shape}")
     T, hidden = ids.shape[0], table.shape[1]
+    if (src is None) != (sampled is None):
+        raise ValueError("src and sampled go together")
+    if src is not None:
+        check(src, "src", np.int32, (T,))
+        check(sampled, "sampled", np.int32)
     if out is None:
         out = cp.empty((T, hidden), np.float32)
     check(out, "out", np.float32, (T, hidden))
     if T:
         launch(module("embedding", USE_BF16=use_bf16(table)).get_function("embedding"),
-               (T,), (min(1024, hidden),), (ids, table, out, i32(hidden)), pdl=pdl)
+               (T,), (min(1024, hidden),), (ids, ptr_or_null(src), ptr_or_null(sampled), table, out, i32(hidden)),
+               pdl=pdl)
     return out

@@ -95,7 +95,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_tokens(
     const int *__restrict__ bias_n, const int *__restrict__ bias_ids, const float *__restrict__ bias_vals,
     int max_bias,
     const int *__restrict__ banned_n, const int *__restrict__ banned_ids, int max_banned,
-    int *__restrict__ sampled) {             // (R)
+    int *__restrict__ sampled,               // (R)
+    int *__restrict__ host_out,              // null, or pinned host memory the host reads the tokens from:
+    const int *__restrict__ out_index) {     // (R) where each row's token goes in it
     PDL_ENTER();
     const int row = blockIdx.x, tid = threadIdx.x;
     const float *raw = logits + (long long)row * V;
@@ -225,6 +227,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_tokens(
     }
     if (tid == 0) {
         sampled[row] = token;
+        if (host_out != nullptr) host_out[out_index[row]] = token;  // visible to the host once the step is done
         if (slot >= 0) counts[(long long)slot * V + token] += 1;
     }
 }

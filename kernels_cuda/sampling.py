@@ -5,15 +5,17 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
-from ._module import check, i32, launch, module
+from ._module import check, i32, launch, module, ptr_or_null
 
 THREADS = 1024
 
 
 def sample_tokens(logits: cp.ndarray, work: cp.ndarray, params: dict[str, cp.ndarray], counts: cp.ndarray,
-                  prompt_mask: cp.ndarray, sampled: cp.ndarray, rows: int | None = None, pdl: bool = False
-                  ) -> cp.ndarray:
-    """Sample one token per row of logits (R, V) float32 into sampled (R,) int32.
+                  prompt_mask: cp.ndarray, sampled: cp.ndarray, rows: int | None = None, pdl: bool = False,
+                  host_out: np.ndarray | None = None) -> cp.ndarray:
+    """Sample one token per row of logits (R, V) float32 into sampled (R,) int32, and where
+    host_out (pinned int32 host memory) is given, into host_out[params["out_index"][row]] too:
+    the host reads them there once the step is done, with no copy after it.
 
     params: per-row device arrays temperature, top_p, min_p, rep_pen, freq_pen, pres_pen
     (float32); top_k, counters, pen_slot, bias_n, banned_n (int32); seeds (uint64);
@@ -37,13 +39,19 @@ def sample_tokens(logits: cp.ndarray, work: cp.ndarray, params: dict[str, cp.nda
         raise ValueError(f"counts: expected (slots, {V}), got {counts.shape}")
     check(prompt_mask, "prompt_mask", np.uint32, (counts.shape[0], (V + 31) // 32))
     check(sampled, "sampled", np.int32)
+    if host_out is not None:
+        if host_out.dtype != np.int32:
+            raise ValueError(f"host_out: expected int32, got {host_out.dtype}")
+        check(params["out_index"], "out_index", np.int32)
     p = params
     if rows:
         launch(module("sampling").get_function("sample_tokens"), (rows,), (THREADS,),
                (logits, work, i32(V), p["temperature"], p["top_k"], p["top_p"], p["min_p"], p["seeds"],
                 p["counters"], p["rep_pen"], p["freq_pen"], p["pres_pen"], p["pen_slot"], counts, prompt_mask,
                 p["bias_n"], p["bias_ids"], p["bias_vals"], i32(p["bias_ids"].shape[1]),
-                p["banned_n"], p["banned_ids"], i32(p["banned_ids"].shape[1]), sampled), pdl=pdl)
+                p["banned_n"], p["banned_ids"], i32(p["banned_ids"].shape[1]), sampled,
+                np.uint64(0 if host_out is None else host_out.ctypes.data),
+                ptr_or_null(None if host_out is None else p["out_index"])), pdl=pdl)
     return sampled
 
 

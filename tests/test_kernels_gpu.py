@@ -80,6 +80,13 @@ def test_embedding(dtype):
     ids = rng.integers(0, 111, 13).astype(np.int32)
     out = embedding(cp.asarray(ids), to_dev(table, dtype))
     np.testing.assert_array_equal(cp.asnumpy(out), rounded(table, dtype)[ids])
+    # tokens a step before sampled, taken from the device where src >= 0
+    sampled = rng.integers(0, 111, 5).astype(np.int32)
+    src = np.full(13, -1, np.int32)
+    src[[0, 4, 12]] = [3, 0, 3]
+    out = embedding(cp.asarray(ids), to_dev(table, dtype), src=cp.asarray(src), sampled=cp.asarray(sampled))
+    expect = np.where(src >= 0, sampled[np.maximum(src, 0)], ids)
+    np.testing.assert_array_equal(cp.asnumpy(out), rounded(table, dtype)[expect])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

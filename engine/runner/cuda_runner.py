@@ -196,6 +196,7 @@ class StagedInputs:
         self.nbytes = total
         self._pinned = cp.cuda.alloc_pinned_memory(total)
         host_bytes = np.frombuffer(self._pinned, np.uint8, total)
+        host_bytes[:] = 0  # pinned memory comes back from the pool as it was left
         self.device_bytes = cp.zeros(total, np.uint8)
         self._uploaded = cp.cuda.Event(disable_timing=True)
         self.host: dict[str, np.ndarray] = {}
@@ -223,14 +224,23 @@ class StagedInputs:
 
 
 class HostOutputs:
-    """Pinned host copies of a step's sampled ids and logprobs (mirrors of the device
-    arrays given, same shapes and types), in two sets used in turn: a step launched ahead
-    copies its outputs out while the host still reads the previous step's. Each set has its
-    step's events: start and end of a decode graph, outputs ready."""
+    """Pinned host memory for a step's sampled ids and logprobs, in two sets used in turn: a
+    step launched ahead writes its outputs while the host still reads the previous step's.
+    The sampling kernel writes the ids straight into `sampled` (mapped memory: row r of set s
+    at s * rows + r, the step's `out_index`), so a step ends with no copy (H200, SmolLM2 at
+    one row: the copy took 5.5 us of a 400 us step); the logprobs are copied from their
+    device arrays (`device`: same shapes and types) when a step asks for them. Each set has
+    its step's events: start and end of a decode graph, outputs ready."""
 
-    def __init__(self, arrays: dict[str, cp.ndarray]) -> None:
-        self.device = arrays
-        self.sets = [{name: cupyx.empty_pinned(a.shape, a.dtype) for name, a in arrays.items()} for _ in range(2)]
+    def __init__(self, rows: int, logprobs: dict[str, cp.ndarray]) -> None:
+        self.device = logprobs
+        self._mapped = cp.cuda.PinnedMemory(2 * rows * 4, cp.cuda.runtime.hostAllocMapped)
+        self.sampled = np.frombuffer(cp.cuda.PinnedMemoryPointer(self._mapped, 0), np.int32, 2 * rows)
+        self.sampled[:] = -1
+        self.out_index = [np.arange(s * rows, (s + 1) * rows, dtype=np.int32) for s in range(2)]
+        self.sets = [{"sampled": self.sampled[s * rows:(s + 1) * rows],
+                      **{name: cupyx.empty_pinned(a.shape, a.dtype) for name, a in logprobs.items()}}
+                     for s in range(2)]
         self.events = [(cp.cuda.Event(), cp.cuda.Event(), cp.cuda.Event(disable_timing=True)) for _ in range(2)]
         self._next = 0
 
@@ -409,6 +419,12 @@ class CudaRunner:
         self._size_kv_pool()
         self._pen_slots: dict[int, int] = {}
         self._free_pen_slots = list(range(self.rows))  # slot `rows` is the padding rows' spare
+        b = self.buffers
+        self._outputs = HostOutputs(self.rows, {"lp_value": b.lp_value, "lp_rank": b.lp_rank,
+                                                "lp_top_ids": b.lp_top_ids, "lp_top_values": b.lp_top_values})
+        # the last step submitted: where each sampling sequence's token is in `sampled` (the
+        # rows of a step launched ahead with pending_tokens take theirs from there)
+        self._sampled_at: dict[int, int] = {}
         self.graphs: dict[int, cp.cuda.Graph] = {}
         if self.quant_fp8:
             self._tune_products()
@@ -418,12 +434,6 @@ class CudaRunner:
         self.copy_bandwidth = measure_copy_bandwidth(self.stream)  # bytes/s, read + written
         self.weight_bytes = self._weight_bytes()
         self.last_roofline_fraction: float | None = None  # of the last decode step, for /metrics
-        b = self.buffers
-        self._outputs = HostOutputs({"sampled": b.sampled, "lp_value": b.lp_value, "lp_rank": b.lp_rank,
-                                     "lp_top_ids": b.lp_top_ids, "lp_top_values": b.lp_top_values})
-        # the last step submitted: where each sampling sequence's token is in `sampled` (the
-        # rows of a step launched ahead with pending_tokens take theirs from there)
-        self._sampled_at: dict[int, int] = {}
         log.info("CUDA runner: %s weights%s, decode buffers %.1f MiB, KV pool %d slots (%.2f GiB, %s), graphs for %s",
                  self.dtype_name, " (layers fp8 e4m3)" if self.quant_fp8 else "", self.buffers.memory_bytes() / 2**20,
                  self.num_kv_slots, self.kv_pool_bytes / 2**30, "fp8 e4m3" if self.kv_fp8 else self.dtype_name,
@@ -493,6 +503,9 @@ class CudaRunner:
             "min_p": (np.float32, ()), "seeds": (np.uint64, ()), "counters": (np.int32, ()),
             "rep_pen": (np.float32, ()), "freq_pen": (np.float32, ()), "pres_pen": (np.float32, ()),
             "pen_slot": (np.int32, ()), "lp_n": (np.int32, ()), "bias_n": (np.int32, ()),
+            # where a row's input token is in `sampled` (-1: input_ids), where its token goes in
+            # the host's outputs (HostOutputs)
+            "token_src": (np.int32, ()), "out_index": (np.int32, ()),
             "banned_n": (np.int32, ()),
             # large, copied only when a row uses them
             "bias_ids": (np.int32, (MAX_LOGIT_BIAS,)), "bias_vals": (np.float32, (MAX_LOGIT_BIAS,)),
@@ -820,7 +833,7 @@ class CudaRunner:
     def _sample(self, n: int) -> None:
         b, d = self.buffers, self.buffers.inputs.dev
         sample_tokens(b.logits, b.sample_work, d, b.pen_counts, b.pen_prompt_mask, b.sampled, rows=n,
-                      pdl=self._launch_pdl)
+                      pdl=self._launch_pdl, host_out=self._outputs.sampled)
         token_logprobs(b.logits, d["lp_n"], b.sampled, b.lp_value, b.lp_rank, b.lp_top_ids, b.lp_top_values, rows=n,
                        pdl=self._launch_pdl)
 
@@ -828,7 +841,8 @@ class CudaRunner:
         """One decode step for n rows (a bucket): no host work, no branches on data."""
         cfg, b, w = self.config, self.buffers, self.weights
         d = b.inputs.dev
-        embedding(d["input_ids"][:n], w.embed_tokens, b.embed_out[:n], pdl=self._launch_pdl)
+        embedding(d["input_ids"][:n], w.embed_tokens, b.embed_out[:n], pdl=self._launch_pdl,
+                  src=d["token_src"][:n], sampled=b.sampled)
 
         def attention(offset: int) -> None:
             self._decode_attention(n, b.q_rot[:n], d["k_ptrs"][:n], d["v_ptrs"][:n], d["kv_lens"][:n], offset)
@@ -930,7 +944,7 @@ class CudaRunner:
         """What the warm-up's steps leave unbuilt, built with launches that do no work: the
         decode attention of a mixed step's decode rows at each count of them (its launch bounds
         follow the row count, not the bucket's: the ends of each bucket's range), and CuPy's
-        gathers of sampled rows (_sample_rows) and of pending tokens (_pending_inputs). H200,
+        gather of sampled rows (_sample_rows). H200,
         8B fp8 at 128 rows, first run after start on a cold kernel cache: a mixed step took
         388 ms and the step where the first requests finished 221-275 ms, compiling these."""
         b, d = self.buffers, self.buffers.inputs.dev
@@ -944,19 +958,12 @@ class CudaRunner:
                     self._decode_attention(nd, b.q_rot[:nd], d["k_ptrs"][:nd], d["v_ptrs"][:nd], empty[:nd], 0)
                 low = bucket + 1
             self._sample_rows(b.norm_out[:1], np.zeros(1, np.int64), 1)
-            scratch = cp.zeros(1, d["input_ids"].dtype)
-            for dst_type in (np.int64, np.int32):  # decode steps' row numbers; ragged steps' q_start
-                self._gather_sampled(scratch, np.zeros(1, dst_type), [0])
             self.stream.synchronize()
 
     def _sample_rows(self, hidden: cp.ndarray, rows, n: int) -> None:
         """final_norm_out[:n] = hidden[rows] (host or device row numbers): the rows the LM
         head takes."""
         cp.take(hidden, cp.asarray(rows), axis=0, out=self.buffers.final_norm_out[:n])
-
-    def _gather_sampled(self, ids: cp.ndarray, dst: np.ndarray, src: list[int]) -> None:
-        """ids[dst] = sampled[src] on the stream (_pending_inputs' gather)."""
-        ids[cp.asarray(dst)] = self.buffers.sampled[cp.asarray(np.asarray(src, np.int64))]
 
     # ------------------------------------------------------------------ step inputs
 
@@ -977,13 +984,16 @@ class CudaRunner:
         h["pres_pen"][start:end] = 0.0
         h["pen_slot"][start:end] = -1
         h["lp_n"][start:end] = -1
+        h["token_src"][start:end] = -1
 
-    def _fill_sampling(self, rows: list[ScheduledSeq]) -> tuple[bool, bool]:
-        """Sampling parameters of `rows` into the staged inputs (row order).
+    def _fill_sampling(self, rows: list[ScheduledSeq], slot: int) -> tuple[bool, bool]:
+        """Sampling parameters of `rows` into the staged inputs (row order), their tokens
+        bound for host set `slot` (every row's, padding included: HostOutputs.out_index).
 
         Returns (whether any row has logit_bias or bans, whether any asks for logprobs).
         """
         h = self.buffers.inputs.host
+        h["out_index"][:] = self._outputs.out_index[slot]
         n = len(rows)
         eos = self.config.eos_token_ids
         params = [r.sampling for r in rows]
@@ -1064,25 +1074,21 @@ class CudaRunner:
         """Pending rows a step launched ahead may have (Engine._submit_ahead): one decode graph's."""
         return self.rows
 
-    def _pending_inputs(self, rows: list[ScheduledSeq], token_at: np.ndarray, ids: cp.ndarray) -> None:
-        """On the stream: the input token of each row with a pending token (a step launched
-        ahead, Scheduler.schedule_ahead) is what the last step submitted sampled for it, still
-        on the device: copied from `sampled` to ids[token_at[row]]. One copy when those rows
-        are the last step's sampling rows in order (steady decoding), else a gather."""
+    def _token_sources(self, rows: list[ScheduledSeq], token_at: np.ndarray, T: int) -> np.ndarray | None:
+        """Where each of a step's T input tokens is in `sampled` (-1: the ids given), for the
+        embedding kernel: a row with a pending token (a step launched ahead,
+        Scheduler.schedule_ahead) takes as its input at token_at[row] what the last step
+        submitted sampled for it, still on the device. None when no row has one."""
         pending = [i for i, r in enumerate(rows) if r.pending_tokens]
         if not pending:
-            return
+            return None
         try:
             src = [self._sampled_at[rows[i].seq_id] for i in pending]
         except KeyError as exc:
             raise ValueError(f"sequence {exc.args[0]} has a pending token but the last step did not sample it") from None
-        dst = token_at[pending]
-        sampled = self.buffers.sampled
-        if src == list(range(len(src))) and np.array_equal(dst, np.arange(len(dst))):
-            cp.cuda.runtime.memcpyAsync(ids.data.ptr, sampled.data.ptr, len(src) * ids.itemsize,
-                                        cp.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
-        else:
-            self._gather_sampled(ids, dst, src)
+        out = np.full(T, -1, np.int32)
+        out[token_at[pending]] = src
+        return out
 
     def _decodes(self, out: SchedulerOutput) -> bool:
         """Whether a step runs as a decode step (one graph), not through the ragged path."""
@@ -1101,7 +1107,7 @@ class CudaRunner:
 
     def _submit_decode(self, rows: list[ScheduledSeq]) -> Callable[[], RunnerOutput]:
         """A row with a pending token takes as its input what the last step sampled for it
-        (still on the device), not row.token_ids (_pending_inputs)."""
+        (still on the device), not row.token_ids (_token_sources)."""
         B = len(rows)
         bucket = bucket_for(B)
         inputs = self.buffers.inputs
@@ -1112,13 +1118,14 @@ class CudaRunner:
         starts = np.fromiter((r.kv_start for r in rows), np.int64, B)
         h["k_ptrs"][:B] = self.k_cache.data.ptr + starts * self._slot_bytes
         h["v_ptrs"][:B] = self.v_cache.data.ptr + starts * self._slot_bytes
-        extra, want_lp = self._fill_sampling(rows)
-        self._fill_padding(B, bucket)
+        src = self._token_sources(rows, np.arange(B), B)
+        h["token_src"][:B] = -1 if src is None else src
         slot = self._outputs.take()
+        extra, want_lp = self._fill_sampling(rows, slot)
+        self._fill_padding(B, bucket)
         start, end, _ = self._outputs.events[slot]
         with self.stream:
             inputs.upload(self.stream, upto=None if extra else "banned_n")
-            self._pending_inputs(rows, np.arange(B), inputs.dev["input_ids"])
             self._sampled_at = {r.seq_id: i for i, r in enumerate(rows)}
             start.record(self.stream)
             if bucket in self.graphs:
@@ -1138,11 +1145,10 @@ class CudaRunner:
         return finish
 
     def _download(self, slot: int, n: int, want_lp: bool) -> None:
-        """Queue the copies of the sampled ids (and logprobs) of n rows into host set `slot`."""
+        """Mark host set `slot` ready after the step (the sampling kernel wrote the ids there),
+        with the logprobs of n rows copied into it first if the step has any."""
         host = self._outputs.sets[slot]
-        for name, dev in self._outputs.device.items():
-            if name != "sampled" and not want_lp:
-                continue
+        for name, dev in self._outputs.device.items() if want_lp else ():
             src = dev[:n]
             cp.cuda.runtime.memcpyAsync(host[name].ctypes.data, src.data.ptr, src.nbytes,
                                         cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
@@ -1193,14 +1199,16 @@ class CudaRunner:
         logit_rows = [i for i, r in enumerate(rows) if r.sample]
         last_tok = (q_start + q_lens - 1)[logit_rows].astype(np.int64)
 
+        tok_src = self._token_sources(rows, q_start, T)
+
         with self.stream:
             dev = {name: cp.asarray(arr) for name, arr in (
                 ("tok_ids", tok_ids), ("tok_pos", tok_pos), ("tok_k", tok_k), ("tok_v", tok_v),
                 ("tile_seq", tile_seq), ("tile_q0", tile_q0), ("q_start", q_start), ("q_len", q_lens),
                 ("kv_len", kv_lens), ("seq_k", seq_k), ("seq_v", seq_v))}
-            self._pending_inputs(rows, q_start, dev["tok_ids"])
             self._sampled_at = {rows[i].seq_id: j for j, i in enumerate(logit_rows)}
-            embedding(dev["tok_ids"], w.embed_tokens, b.embed_out[:T])
+            embedding(dev["tok_ids"], w.embed_tokens, b.embed_out[:T],
+                      **({} if tok_src is None else {"src": cp.asarray(tok_src), "sampled": b.sampled}))
 
             window = cfg.sliding_window or 0
             decode_args = (b.q_rot[:nd], dev["seq_k"][:nd], dev["seq_v"][:nd], dev["kv_len"][:nd])
@@ -1243,10 +1251,10 @@ class CudaRunner:
             self._linear(b.final_norm_out[:n], w.lm_head, b.logits[:n])
             sampling_rows = [rows[i] for i in logit_rows]
             b.inputs.writable()
-            extra, want_lp = self._fill_sampling(sampling_rows)
+            slot = self._outputs.take()
+            extra, want_lp = self._fill_sampling(sampling_rows, slot)
             b.inputs.upload(self.stream, upto=None if extra else "banned_n")
             self._sample(n)
-            slot = self._outputs.take()
             self._download(slot, n, want_lp)
 
         def finish() -> RunnerOutput:
