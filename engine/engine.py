@@ -127,7 +127,7 @@ class EngineGauges:
     waiting: int = 0  # requests queued (not yet admitted) or preempted
     kv_usage: float = 0.0  # fraction of the KV cache owned by sequences
     preemptions: int = 0  # since start
-    roofline_fraction: float | None = None  # of the last decode step (CUDA runner), else None
+    roofline_fraction: float | None = None  # of the last decode step timed (CUDA runner: one in 8), else None
 
 
 class EngineObserver:

@@ -78,6 +78,46 @@ __device__ __forceinline__ float kept_q(float x, float inv_t, float mx, unsigned
     return (q > 0.0f && ord_key(q) >= p_key) ? q : 0.0f;
 }
 
+// Logprob of `target` under the raw logits x of one row, its rank, and the top-n (n <= max_top)
+// with their logprobs, into the row's outputs; every thread of the block calls it.
+__device__ __forceinline__ void row_logprobs(const float *__restrict__ x, int V, int n, int target, int row,
+                                             float *__restrict__ out_lp, int *__restrict__ out_rank,
+                                             int *__restrict__ top_ids, float *__restrict__ top_lp, int max_top) {
+    const int tid = threadIdx.x;
+    float mx = NEG_INF;
+    for (int v = tid; v < V; v += THREADS) mx = fmaxf(mx, x[v]);
+    mx = block_max_f(mx);
+    float se = 0.0f;
+    for (int v = tid; v < V; v += THREADS) se += __expf(x[v] - mx);
+    const float lse = mx + logf(block_sum_f(se));
+    const float tv = x[target];
+    float above = 0.0f;
+    for (int v = tid; v < V; v += THREADS) above += x[v] > tv ? 1.0f : 0.0f;
+    above = block_sum_f(above);
+    if (tid == 0) {
+        out_lp[row] = tv - lse;
+        out_rank[row] = (int)above + 1;
+    }
+    // top-n, best first, lower id first among equal values
+    float prev_v = POS_INF;
+    int prev_i = -1;
+    for (int j = 0; j < n && j < max_top; j++) {
+        float bv = NEG_INF;
+        int bi = 0x7fffffff;
+        for (int v = tid; v < V; v += THREADS) {
+            const float xv = x[v];
+            if (xv < prev_v || (xv == prev_v && v > prev_i)) argmax_pair(bv, bi, xv, v);
+        }
+        const int best = block_argmax(bv, bi);
+        prev_i = best;
+        prev_v = x[best];
+        if (tid == 0) {
+            top_ids[row * max_top + j] = best;
+            top_lp[row * max_top + j] = prev_v - lse;
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS) sample_tokens(
     const float *__restrict__ logits,        // (R, V) raw
     float *__restrict__ work,                // (R, V) scratch: processed logits of rows that need it
@@ -97,7 +137,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_tokens(
     const int *__restrict__ banned_n, const int *__restrict__ banned_ids, int max_banned,
     int *__restrict__ sampled,               // (R)
     int *__restrict__ host_out,              // null, or pinned host memory the host reads the tokens from:
-    const int *__restrict__ out_index) {     // (R) where each row's token goes in it
+    const int *__restrict__ out_index,       // (R) where each row's token goes in it
+    // null, or per row: how many top logprobs (-1: none) of the sampled token (token_logprobs' outputs)
+    const int *__restrict__ lp_n, float *__restrict__ out_lp, int *__restrict__ out_rank,
+    int *__restrict__ top_ids, float *__restrict__ top_lp, int max_top) {
     PDL_ENTER();
     const int row = blockIdx.x, tid = threadIdx.x;
     const float *raw = logits + (long long)row * V;
@@ -230,50 +273,22 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_tokens(
         if (host_out != nullptr) host_out[out_index[row]] = token;  // visible to the host once the step is done
         if (slot >= 0) counts[(long long)slot * V + token] += 1;
     }
+    if (lp_n != nullptr && lp_n[row] >= 0) {  // in this kernel: a decode step ends one launch sooner
+        __syncthreads();
+        row_logprobs(raw, V, lp_n[row], token, row, out_lp, out_rank, top_ids, top_lp, max_top);
+    }
 }
 
-// Logprob of target_ids[row] under the raw distribution, its rank, and the top-n.
-// grid (R), block 1024; rows with lp_n < 0 return at once.
+// Logprob of target_ids[row] under the raw distribution, its rank, and the top-n (prompt
+// logprobs; sample_tokens does the same for the tokens it samples). grid (R), block 1024; rows
+// with lp_n < 0 return at once.
 extern "C" __global__ void __launch_bounds__(THREADS) token_logprobs(
     const float *__restrict__ logits, int V, const int *__restrict__ lp_n, const int *__restrict__ target_ids,
     float *__restrict__ out_lp, int *__restrict__ out_rank, int *__restrict__ top_ids,
     float *__restrict__ top_lp, int max_top) {
     PDL_ENTER();
-    const int row = blockIdx.x, tid = threadIdx.x;
+    const int row = blockIdx.x;
     const int n = lp_n[row];
     if (n < 0) return;
-    const float *x = logits + (long long)row * V;
-    float mx = NEG_INF;
-    for (int v = tid; v < V; v += THREADS) mx = fmaxf(mx, x[v]);
-    mx = block_max_f(mx);
-    float se = 0.0f;
-    for (int v = tid; v < V; v += THREADS) se += __expf(x[v] - mx);
-    const float lse = mx + logf(block_sum_f(se));
-    const int target = target_ids[row];
-    const float tv = x[target];
-    float above = 0.0f;
-    for (int v = tid; v < V; v += THREADS) above += x[v] > tv ? 1.0f : 0.0f;
-    above = block_sum_f(above);
-    if (tid == 0) {
-        out_lp[row] = tv - lse;
-        out_rank[row] = (int)above + 1;
-    }
-    // top-n, best first, lower id first among equal values
-    float prev_v = POS_INF;
-    int prev_i = -1;
-    for (int j = 0; j < n && j < max_top; j++) {
-        float bv = NEG_INF;
-        int bi = 0x7fffffff;
-        for (int v = tid; v < V; v += THREADS) {
-            const float xv = x[v];
-            if (xv < prev_v || (xv == prev_v && v > prev_i)) argmax_pair(bv, bi, xv, v);
-        }
-        const int best = block_argmax(bv, bi);
-        prev_i = best;
-        prev_v = x[best];
-        if (tid == 0) {
-            top_ids[row * max_top + j] = best;
-            top_lp[row * max_top + j] = prev_v - lse;
-        }
-    }
+    row_logprobs(logits + (long long)row * V, V, n, target_ids[row], row, out_lp, out_rank, top_ids, top_lp, max_top);
 }

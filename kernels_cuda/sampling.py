@@ -12,10 +12,12 @@ THREADS = 1024
 
 def sample_tokens(logits: cp.ndarray, work: cp.ndarray, params: dict[str, cp.ndarray], counts: cp.ndarray,
                   prompt_mask: cp.ndarray, sampled: cp.ndarray, rows: int | None = None, pdl: bool = False,
-                  host_out: np.ndarray | None = None) -> cp.ndarray:
+                  host_out: np.ndarray | None = None, logprobs: tuple | None = None) -> cp.ndarray:
     """Sample one token per row of logits (R, V) float32 into sampled (R,) int32, and where
     host_out (pinned int32 host memory) is given, into host_out[params["out_index"][row]] too:
-    the host reads them there once the step is done, with no copy after it.
+    the host reads them there once the step is done, with no copy after it. With logprobs =
+    (out_lp, out_rank, top_ids, top_lp): token_logprobs' outputs for the sampled tokens of the
+    rows with params["lp_n"] >= 0, in the same launch.
 
     params: per-row device arrays temperature, top_p, min_p, rep_pen, freq_pen, pres_pen
     (float32); top_k, counters, pen_slot, bias_n, banned_n (int32); seeds (uint64);
@@ -44,6 +46,9 @@ def sample_tokens(logits: cp.ndarray, work: cp.ndarray, params: dict[str, cp.nda
             raise ValueError(f"host_out: expected int32, got {host_out.dtype}")
         check(params["out_index"], "out_index", np.int32)
     p = params
+    if logprobs is not None:
+        check_logprobs(p["lp_n"], *logprobs)
+    out_lp, out_rank, top_ids, top_lp = logprobs or (None,) * 4
     if rows:
         launch(module("sampling").get_function("sample_tokens"), (rows,), (THREADS,),
                (logits, work, i32(V), p["temperature"], p["top_k"], p["top_p"], p["min_p"], p["seeds"],
@@ -51,7 +56,9 @@ def sample_tokens(logits: cp.ndarray, work: cp.ndarray, params: dict[str, cp.nda
                 p["bias_n"], p["bias_ids"], p["bias_vals"], i32(p["bias_ids"].shape[1]),
                 p["banned_n"], p["banned_ids"], i32(p["banned_ids"].shape[1]), sampled,
                 np.uint64(0 if host_out is None else host_out.ctypes.data),
-                ptr_or_null(None if host_out is None else p["out_index"])), pdl=pdl)
+                ptr_or_null(None if host_out is None else p["out_index"]),
+                ptr_or_null(None if logprobs is None else p["lp_n"]), ptr_or_null(out_lp), ptr_or_null(out_rank),
+                ptr_or_null(top_ids), ptr_or_null(top_lp), i32(0 if top_ids is None else top_ids.shape[1])), pdl=pdl)
     return sampled
 
 
@@ -63,12 +70,17 @@ def token_logprobs(logits: cp.ndarray, lp_n: cp.ndarray, target_ids: cp.ndarray,
     R, V = logits.shape
     rows = R if rows is None else rows
     check(logits, "logits", np.float32)
-    check(lp_n, "lp_n", np.int32)
     check(target_ids, "target_ids", np.int32)
+    check_logprobs(lp_n, out_lp, out_rank, top_ids, top_lp)
+    if rows:
+        launch(module("sampling").get_function("token_logprobs"), (rows,), (THREADS,),
+               (logits, i32(V), lp_n, target_ids, out_lp, out_rank, top_ids, top_lp, i32(top_ids.shape[1])), pdl=pdl)
+
+
+def check_logprobs(lp_n: cp.ndarray, out_lp: cp.ndarray, out_rank: cp.ndarray, top_ids: cp.ndarray,
+                   top_lp: cp.ndarray) -> None:
+    check(lp_n, "lp_n", np.int32)
     check(out_lp, "out_lp", np.float32)
     check(out_rank, "out_rank", np.int32)
     check(top_ids, "top_ids", np.int32)
     check(top_lp, "top_lp", np.float32, top_ids.shape)
-    if rows:
-        launch(module("sampling").get_function("token_logprobs"), (rows,), (THREADS,),
-               (logits, i32(V), lp_n, target_ids, out_lp, out_rank, top_ids, top_lp, i32(top_ids.shape[1])), pdl=pdl)

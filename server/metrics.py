@@ -104,7 +104,7 @@ class Metrics(EngineObserver):
                              [("", stats.step_errors)])
             if gauges.roofline_fraction is not None:
                 lines += _metric("decode_roofline_fraction", "gauge",
-                                 "Last decode step's bytes read / (step time x measured bandwidth).",
+                                 "Last decode step timed (one in 8): bytes read / (step time x measured bandwidth).",
                                  [("", gauges.roofline_fraction)])
         with self._lock:
             for hist in (self.ttft, self.itl, self.e2e, self.queue):

@@ -101,6 +101,11 @@ FUSE_ATTN_O = False
 # up to 16 rows or none (batch invariance), so it stays off until it wins at one row.
 FUSE_MLP = False
 
+# The roofline gauge (last_roofline_fraction, /metrics) times one decode step in this many: a
+# step's pair of timing events costs ~3 us of device time (H200, SmolLM2 at one row, a 400 us
+# step: 406.7 -> 409.9 us with them).
+ROOFLINE_EVERY = 8
+
 # Steps of up to 16 rows take a row of at most this many keys in one split (see decode_split_plan).
 WHOLE_KEYS = 256
 # ... and a longer row in splits of FLASH_KEYS keys while they number at most this many and the
@@ -433,7 +438,8 @@ class CudaRunner:
         self._warm_up()
         self.copy_bandwidth = measure_copy_bandwidth(self.stream)  # bytes/s, read + written
         self.weight_bytes = self._weight_bytes()
-        self.last_roofline_fraction: float | None = None  # of the last decode step, for /metrics
+        self.last_roofline_fraction: float | None = None  # of the last decode step timed, for /metrics
+        self._decode_steps = 0  # submitted: every ROOFLINE_EVERY-th is timed
         log.info("CUDA runner: %s weights%s, decode buffers %.1f MiB, KV pool %d slots (%.2f GiB, %s), graphs for %s",
                  self.dtype_name, " (layers fp8 e4m3)" if self.quant_fp8 else "", self.buffers.memory_bytes() / 2**20,
                  self.num_kv_slots, self.kv_pool_bytes / 2**30, "fp8 e4m3" if self.kv_fp8 else self.dtype_name,
@@ -833,9 +839,8 @@ class CudaRunner:
     def _sample(self, n: int) -> None:
         b, d = self.buffers, self.buffers.inputs.dev
         sample_tokens(b.logits, b.sample_work, d, b.pen_counts, b.pen_prompt_mask, b.sampled, rows=n,
-                      pdl=self._launch_pdl, host_out=self._outputs.sampled)
-        token_logprobs(b.logits, d["lp_n"], b.sampled, b.lp_value, b.lp_rank, b.lp_top_ids, b.lp_top_values, rows=n,
-                       pdl=self._launch_pdl)
+                      pdl=self._launch_pdl, host_out=self._outputs.sampled,
+                      logprobs=(b.lp_value, b.lp_rank, b.lp_top_ids, b.lp_top_values))
 
     def _decode_body(self, n: int) -> None:
         """One decode step for n rows (a bucket): no host work, no branches on data."""
@@ -1124,21 +1129,25 @@ class CudaRunner:
         extra, want_lp = self._fill_sampling(rows, slot)
         self._fill_padding(B, bucket)
         start, end, _ = self._outputs.events[slot]
+        timed = self._decode_steps % ROOFLINE_EVERY == 0
+        self._decode_steps += 1
         with self.stream:
             inputs.upload(self.stream, upto=None if extra else "banned_n")
             self._sampled_at = {r.seq_id: i for i, r in enumerate(rows)}
-            start.record(self.stream)
+            if timed:
+                start.record(self.stream)
             if bucket in self.graphs:
                 self.graphs[bucket].launch(self.stream)
             else:
                 self._decode_body(bucket)
-            end.record(self.stream)
+            if timed:
+                end.record(self.stream)
             self._download(slot, B, want_lp)
         kv_tokens = int(h["kv_lens"][:B].sum())
 
         def finish() -> RunnerOutput:
             result = self._collect(rows, list(range(B)), want_lp, slot)  # waits for this step only
-            seconds = cp.cuda.get_elapsed_time(start, end) * 1e-3
+            seconds = cp.cuda.get_elapsed_time(start, end) * 1e-3 if timed else 0.0
             if seconds > 0:
                 self.last_roofline_fraction = self.decode_step_bytes(kv_tokens) / (seconds * self.copy_bandwidth)
             return result
