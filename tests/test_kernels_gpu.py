@@ -89,6 +89,45 @@ def test_embedding(dtype):
     np.testing.assert_array_equal(cp.asnumpy(out), rounded(table, dtype)[expect])
 
 
+def test_sampling_writes_the_host_and_logprobs_of_its_tokens():
+    """sample_tokens with host_out and logprobs: each row's token also lands in pinned host
+    memory at its out_index, and its logprobs are token_logprobs' (same bits) for that token."""
+    from kernels_cuda.sampling import sample_tokens, token_logprobs
+    R, V, top = 5, 3000, 4
+    logits = cp.asarray(rng.standard_normal((R, V)).astype(np.float32) * 3)
+    f32, i32 = (lambda v: cp.asarray(np.array(v, np.float32))), (lambda v: cp.asarray(np.array(v, np.int32)))
+    lp_n = i32([2, -1, 0, 3, -1])
+    params = {"temperature": f32([0, 0, 0.8, 0, 1.0]), "top_k": i32([0] * R), "top_p": f32([1.0] * R),
+              "min_p": f32([0.0] * R), "rep_pen": f32([1.0] * R), "freq_pen": f32([0.0] * R),
+              "pres_pen": f32([0.0] * R), "seeds": cp.arange(R, dtype=cp.uint64), "counters": i32([0] * R),
+              "pen_slot": i32([-1] * R), "bias_n": i32([0] * R), "banned_n": i32([0] * R),
+              "bias_ids": cp.zeros((R, 1), cp.int32), "bias_vals": cp.zeros((R, 1), cp.float32),
+              "banned_ids": cp.zeros((R, 1), cp.int32), "lp_n": lp_n, "out_index": i32(np.arange(R) + R)}
+    mem = cp.cuda.PinnedMemory(2 * R * 4, cp.cuda.runtime.hostAllocMapped)
+    host = np.frombuffer(cp.cuda.PinnedMemoryPointer(mem, 0), np.int32, 2 * R)
+    host[:] = -7
+    outs = [cp.full(R, np.nan, cp.float32), cp.full(R, -1, cp.int32), cp.full((R, top), -1, cp.int32),
+            cp.full((R, top), np.nan, cp.float32)]
+    sampled = cp.full(R, -1, cp.int32)
+    sample_tokens(logits, cp.empty_like(logits), params, cp.zeros((1, V), cp.int32),
+                  cp.zeros((1, (V + 31) // 32), cp.uint32), sampled, host_out=host, logprobs=tuple(outs))
+    cp.cuda.Device().synchronize()
+    tokens = cp.asnumpy(sampled)
+    np.testing.assert_array_equal(host[R:], tokens)
+    np.testing.assert_array_equal(host[:R], -7)  # the other set untouched
+    greedy = cp.asnumpy(params["temperature"]) == 0
+    np.testing.assert_array_equal(tokens[greedy], cp.asnumpy(logits).argmax(axis=1)[greedy])
+    ref = [cp.full(R, np.nan, cp.float32), cp.full(R, -1, cp.int32), cp.full((R, top), -1, cp.int32),
+           cp.full((R, top), np.nan, cp.float32)]
+    token_logprobs(logits, lp_n, sampled, *ref)
+    asked = cp.asnumpy(lp_n) >= 0
+    for got, want in zip(outs, ref):
+        np.testing.assert_array_equal(cp.asnumpy(got)[asked], cp.asnumpy(want)[asked])
+    np.testing.assert_array_equal(cp.asnumpy(outs[1])[~asked], -1)  # rows that asked for none: nothing written
+    lsm = log_softmax(cp.asnumpy(logits).astype(np.float64))
+    np.testing.assert_allclose(cp.asnumpy(outs[0])[asked], lsm[np.arange(R), tokens][asked], atol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [1000, 1002, 9000])  # in registers; not a multiple of 4; longer than they hold
 @pytest.mark.parametrize("rows", [7, 600, 1100])  # 600: a step of many rows (rmsnorm.WIDE_MIN_ROWS: smaller blocks); 1100: loads ahead
