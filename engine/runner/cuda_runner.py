@@ -951,7 +951,8 @@ class CudaRunner:
         follow the row count, not the bucket's: the ends of each bucket's range), and CuPy's
         gather of sampled rows (_sample_rows). H200,
         8B fp8 at 128 rows, first run after start on a cold kernel cache: a mixed step took
-        388 ms and the step where the first requests finished 221-275 ms, compiling these."""
+        388 ms and the step where the first requests finished 221-275 ms, compiling these and
+        CuPy's gathers of pending tokens (since gone: the embedding kernel's token_src)."""
         b, d = self.buffers, self.buffers.inputs.dev
         with self.stream:
             empty = cp.zeros(self.rows, np.int32)  # rows of no keys: every block leaves at once
