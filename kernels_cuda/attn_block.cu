@@ -27,15 +27,7 @@
 // -DHEAD_DIM, -DGROUP (query heads per KV head), -DHIDDEN, -DKV_FP8, -DUSE_BF16; dynamic shared
 // memory: attn_block.py's smem_bytes (the kernel checks it). KV pool layout as flash_decode's.
 
-#ifndef HEAD_DIM
-#define HEAD_DIM 64
-#endif
-#ifndef GROUP
-#define GROUP 3
-#endif
-#ifndef HIDDEN
-#define HIDDEN 576
-#endif
+#include "small_shape.cuh"
 #define CLUSTER 8
 #define THREADS 256
 #define TILE 64  // keys a shared-memory tile holds; two tiles, double-buffered

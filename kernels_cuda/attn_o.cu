@@ -19,15 +19,7 @@
 //
 // -DHEAD_DIM, -DGROUP, -DKV_FP8, -DSWAP (flash_decode.cu's), -DHIDDEN, -DSLICES, -DUSE_BF16;
 // dynamic shared memory: attn_o.py's smem_bytes (the kernel checks it).
-#ifndef HEAD_DIM
-#define HEAD_DIM 64
-#endif
-#ifndef GROUP
-#define GROUP 3
-#endif
-#ifndef HIDDEN
-#define HIDDEN 576
-#endif
+#include "small_shape.cuh"
 #ifndef SLICES
 #define SLICES 16
 #endif

@@ -73,6 +73,16 @@ def assert_e4m3_of(codes: np.ndarray, ref: np.ndarray) -> None:
 rng = np.random.default_rng(0)
 
 
+def attend_f64(kv: np.ndarray, b: int, n: int, window: int, kv_head: int, q: np.ndarray, scale: float) -> np.ndarray:
+    """softmax(k q * scale) v in float64 for one query head of row b over its first n keys
+    (the last `window` of them if given) of KV head kv_head; kv (2, rows, keys, kv_heads, D)."""
+    first = max(0, n - window) if window else 0
+    k, v = (kv[i, b, first:n, kv_head].astype(np.float64) for i in range(2))
+    s = k @ q.astype(np.float64) * scale
+    p = np.exp(s - s.max())
+    return p @ v / p.sum()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_embedding(dtype):
     from kernels_cuda.embedding import embedding
@@ -731,12 +741,8 @@ def test_flash_decode(kv8, splits, chunk, window, heads, min_blocks, whole, shor
     for b, n in enumerate(lens):
         if n == 0:
             continue
-        first = max(0, n - window) if window else 0
-        k, v = kv[0, b, first:n].astype(np.float64), kv[1, b, first:n].astype(np.float64)
         for h in range(H):
-            s = k[:, h // (H // KVH)] @ qr[b, h] * scale
-            p = np.exp(s - s.max())
-            ref = p @ v[:, h // (H // KVH)] / p.sum()
+            ref = attend_f64(kv, b, n, window, h // (H // KVH), qr[b, h], scale)
             # P and the output pass through 16 bits
             np.testing.assert_allclose(got[b, h], ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
 
@@ -945,14 +951,8 @@ def test_attn_o(dtype, kv8, shape, window):
     for b, n in enumerate(lens):
         if n == 0:
             continue
-        first = max(0, n - window) if window else 0
-        k, v = kv[0, b, first:n].astype(np.float64), kv[1, b, first:n].astype(np.float64)
         for g in range(KVH):
-            attn = np.zeros((G, D))
-            for j in range(G):
-                sc = k[:, g] @ q[b, g * G + j].astype(np.float64) * D ** -0.5
-                p = np.exp(sc - sc.max())
-                attn[j] = p @ v[:, g] / p.sum()
+            attn = np.stack([attend_f64(kv, b, n, window, g, q[b, g * G + j], D ** -0.5) for j in range(G)])
             assert rel(attn_rows[b, g * G:(g + 1) * G], attn) < (2e-2 if dtype == "bfloat16" else 3e-3), (b, g)
             ref = w_o[:, g * G * D:(g + 1) * G * D].astype(np.float64) @ attn.reshape(-1)
             assert rel(parts[g, b], ref) < (3e-2 if dtype == "bfloat16" else 5e-3), (b, g)
