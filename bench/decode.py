@@ -100,11 +100,13 @@ def main() -> None:
     ap.add_argument("--kv-cache-gib", type=float, default=None)
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8 (e4m3)")
     ap.add_argument("--quantization", default=None, help="fp8: e4m3 layer weights (default: 16-bit)")
+    ap.add_argument("--fp8-accumulation", default="fast", help="fast or promoted (the server's setting)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
     kv = int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None
     config = EngineConfig(model=args.model, device=args.device, quantization=args.quantization,
+                          fp8_accumulation=args.fp8_accumulation,
                           cache=CacheConfig(kv_cache_bytes=kv, kv_cache_dtype=args.kv_cache_dtype),
                           scheduler=SchedulerConfig(max_num_seqs=max(batches), max_waiting=max(batches),
                                                     max_num_batched_tokens=max(2048, max(batches)),

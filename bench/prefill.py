@@ -25,9 +25,10 @@ from engine import Engine, EngineConfig, SamplingParams, SchedulerConfig  # noqa
 from engine.config import CacheConfig, ModelConfig  # noqa: E402
 
 
-def gemm_rate(n: int = 8192, repeats: int = 10, fp8: bool = False) -> float:
+def gemm_rate(n: int = 8192, repeats: int = 10, fp8: bool = False, fast_accum: bool = False) -> float:
     """cuBLAS FLOP/s on random n x n x n operands: fp16, or (fp8) cuBLASLt's e4m3 product with
-    per-row scales (--quantization fp8's, the quantization of x not included)."""
+    per-row scales (--quantization fp8's, the quantization of x not included; fast_accum as
+    the engine's --fp8-accumulation fast)."""
     import cupy as cp
 
     from bench.kernels import time_gpu
@@ -41,7 +42,7 @@ def gemm_rate(n: int = 8192, repeats: int = 10, fp8: bool = False) -> float:
         b8 = quantize_matrix(b)
 
         def run():
-            gemm_fp8(aq, b8, out)
+            gemm_fp8(aq, b8, out, fast_accum)
     else:
         def run():
             gemm(a, b, out)
@@ -84,19 +85,20 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quantization", default=None, help="fp8: e4m3 layer weights; the floor then takes the fp8 "
                     "GEMM rate")
+    ap.add_argument("--fp8-accumulation", default="fast", help="fast or promoted (the server's setting)")
     ap.add_argument("--json")
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     longest = max(lengths)
     config = EngineConfig(model=args.model, device=args.device, cache=CacheConfig(kv_cache_bytes=8 << 30),
-                          quantization=args.quantization,
+                          quantization=args.quantization, fp8_accumulation=args.fp8_accumulation,
                           scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=longest,
                                                     max_model_len=longest + 16))
     engine = Engine(config)
     engine.start()
     ttft(engine, min(lengths), 1)  # warm-up: compiles the prefill kernels
     fp8 = args.quantization == "fp8"
-    rate = gemm_rate(fp8=fp8) if args.device != "cpu" else float("nan")
+    rate = gemm_rate(fp8=fp8, fast_accum=args.fp8_accumulation == "fast") if args.device != "cpu" else float("nan")
     rows = []
     for length in lengths:
         seconds = ttft(engine, length, args.repeats)

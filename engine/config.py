@@ -166,6 +166,11 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # fp8 is e4m3, as in vLLM
 QUANTIZATIONS = ("fp8",)
 
 
+# how the fp8 products of many rows add (cuBLASLt): "fast", in the tensor cores' own
+# accumulator, as vLLM's fp8 kernels do; "promoted", into float32 now and then (slower)
+FP8_ACCUMULATIONS = ("fast", "promoted")
+
+
 def check_quantization(value: str | None) -> None:
     if value is not None and value not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} (or unset), got {value!r}")
@@ -243,12 +248,16 @@ class EngineConfig:
     # checkpoints, else float16), "float32" = the exact reference
     cpu_weight_dtype: str = "auto"
     quantization: str | None = None  # None (the checkpoint's 16-bit weights) or "fp8" (CUDA only)
+    fp8_accumulation: str = "fast"  # FP8_ACCUMULATIONS, for quantization "fp8"
     cache_dir: str = field(default_factory=lambda: str(_default_cache_dir()))  # downloads, compiled kernels
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be auto, cuda or cpu, got {self.device!r}")
         check_quantization(self.quantization)
+        if self.fp8_accumulation not in FP8_ACCUMULATIONS:
+            raise ValueError(f"fp8_accumulation must be one of {', '.join(FP8_ACCUMULATIONS)}, "
+                             f"got {self.fp8_accumulation!r}")
         if self.cpu_weight_dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"cpu_weight_dtype must be auto, float32, float16 or bfloat16, "
                              f"got {self.cpu_weight_dtype!r}")

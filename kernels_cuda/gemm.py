@@ -103,9 +103,10 @@ _LT_TRANSA, _LT_TRANSB, _LT_FAST_ACCUM = 3, 4, 25
 _LT_PREF_MAX_WORKSPACE_BYTES = 1
 LT_WORKSPACE_BYTES = 32 << 20
 # Hopper's fp8 MMAs add into a reduced-precision accumulator unless cuBLASLt promotes the
-# sums to float32 now and then; fast accumulation skips that. Off: the promoted sums are
-# what the tests compare against (see bench/kernels.py --fp8 for the cost).
-FAST_ACCUM = False
+# sums to float32 now and then; fast accumulation (gemm_fp8's fast_accum) skips that. H200,
+# 8B shapes: 7-10 % faster at 1-2k rows, none at 256; rms error 1.7e-3 of the sums at K =
+# 4,096 and 3.2e-3 at 14,336, against 2e-4 promoted and 3.6e-2 for e4m3's own rounding of
+# the inputs (docs/performance.md, twenty-fifth session).
 
 
 class _HeuristicResult(ctypes.Structure):
@@ -145,14 +146,15 @@ class _Lt:
         self._ok(self.lib.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(value), ctypes.sizeof(value)),
                  f"cublasLtMatmulDescSetAttribute({attr})")
 
-    def plan(self, M: int, N: int, K: int, out_type: int) -> tuple:
-        """(descriptor, layouts, algorithm) of an (M, K) x (N, K)^T product into out_type. The
-        algorithm comes from cuBLASLt's heuristic once per power-of-two bucket of M (a
-        serving step's token count changes from step to step, and a heuristic query costs ~ms)."""
-        key = (M, N, K, out_type, FAST_ACCUM)
+    def plan(self, M: int, N: int, K: int, out_type: int, fast: bool) -> tuple:
+        """(descriptor, layouts, algorithm) of an (M, K) x (N, K)^T product into out_type, with
+        fast accumulation or not. The algorithm comes from cuBLASLt's heuristic once per
+        power-of-two bucket of M (a serving step's token count changes from step to step, and a
+        heuristic query costs ~ms)."""
+        key = (M, N, K, out_type, fast)
         plan = self.plans.get(key)
         if plan is None:
-            desc, a, b, c = self._descriptors(M, N, K, out_type)
+            desc, a, b, c = self._descriptors(M, N, K, out_type, fast)
             bucket = self._bucket(key)
             algo = self.algos.get(bucket)
             if algo is None:
@@ -166,23 +168,23 @@ class _Lt:
         M, *rest = key
         return (max(16, 1 << (M - 1).bit_length()), *rest)
 
-    def choose(self, M: int, N: int, K: int, out_type: int, algo: "_HeuristicResult") -> None:
+    def choose(self, M: int, N: int, K: int, out_type: int, fast: bool, algo: "_HeuristicResult") -> None:
         """Use `algo` for every product of this shape in M's bucket (see tune_gemm_fp8)."""
-        bucket = self._bucket((M, N, K, out_type, FAST_ACCUM))
+        bucket = self._bucket((M, N, K, out_type, fast))
         self.algos[bucket] = algo
         for key, plan in self.plans.items():
             if self._bucket(key) == bucket:
                 self.plans[key] = (*plan[:4], algo)
 
-    def exact(self, M: int, N: int, K: int, out_type: int) -> tuple:
+    def exact(self, M: int, N: int, K: int, out_type: int, fast: bool) -> tuple:
         """The plan with the heuristic's algorithm for exactly M rows (when a bucket's
         algorithm does not run on M)."""
-        key = (M, N, K, out_type, FAST_ACCUM)
+        key = (M, N, K, out_type, fast)
         desc, a, b, c, _ = self.plans[key]
         plan = self.plans[key] = (desc, a, b, c, self._heuristic(desc, a, b, c, M, N, K)[0])
         return plan
 
-    def _descriptors(self, M: int, N: int, K: int, out_type: int) -> tuple:
+    def _descriptors(self, M: int, N: int, K: int, out_type: int, fast: bool) -> tuple:
         lib, v = self.lib, ctypes.c_void_p
         desc = v()
         self._ok(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), CUBLAS_COMPUTE_32F, CUDA_R_32F),
@@ -190,7 +192,7 @@ class _Lt:
         # column-major: out^T (N, M) = W (N x K, i.e. A = K x N transposed) times x^T (B = K x M)
         self._set(desc, _LT_TRANSA, ctypes.c_int(CUBLAS_OP_T))
         self._set(desc, _LT_TRANSB, ctypes.c_int(CUBLAS_OP_N))
-        self._set(desc, _LT_FAST_ACCUM, ctypes.c_int8(int(FAST_ACCUM)))
+        self._set(desc, _LT_FAST_ACCUM, ctypes.c_int8(int(fast)))
         layouts = []
         for dtype, rows, cols in ((CUDA_R_8F_E4M3, K, N), (CUDA_R_8F_E4M3, K, M), (out_type, N, M)):
             layout = v()
@@ -237,9 +239,10 @@ def _lt_handle() -> _Lt:
     return _lt
 
 
-def gemm_fp8(xq: cp.ndarray, w: Fp8Matrix, out: cp.ndarray) -> cp.ndarray:
+def gemm_fp8(xq: cp.ndarray, w: Fp8Matrix, out: cp.ndarray, fast_accum: bool = False) -> cp.ndarray:
     """out (M, N) = xq @ w.data^T over the values of the e4m3 codes (xq (M, K), e.g. from
-    quant.quantize_rows), on the current stream, accumulated in float32; out float32 or
+    quant.quantize_rows), on the current stream, accumulated in float32 (fast_accum: in the
+    MMAs' own accumulator, never promoted; see _LT_FAST_ACCUM's note); out float32 or
     bfloat16 (uint16 bits: the raw sums exceed float16's range, and the e4m3 inputs
     carry 3 mantissa bits to bfloat16's 8); K and N multiples of 16. The product
     of the scaled matrices is out * x_scale[:, None] * w.scale[None, :]: the caller hands
@@ -259,7 +262,7 @@ def gemm_fp8(xq: cp.ndarray, w: Fp8Matrix, out: cp.ndarray) -> cp.ndarray:
         return out
     lt = _lt_handle()
     for attempt in range(2):
-        plan = lt.plan(M, N, K, out_type) if attempt == 0 else lt.exact(M, N, K, out_type)
+        plan = lt.plan(M, N, K, out_type, fast_accum) if attempt == 0 else lt.exact(M, N, K, out_type, fast_accum)
         status = lt.matmul(plan, plan[4], xq, w, out)
         if status == 0:
             break
@@ -270,8 +273,8 @@ def gemm_fp8(xq: cp.ndarray, w: Fp8Matrix, out: cp.ndarray) -> cp.ndarray:
 TUNE_MIN_GAIN = 0.05
 
 
-def tune_gemm_fp8(xq: cp.ndarray, ws: list[Fp8Matrix], out: cp.ndarray, candidates: int = 8,
-                  reps: int = 3) -> tuple[list[float], int]:
+def tune_gemm_fp8(xq: cp.ndarray, ws: list[Fp8Matrix], out: cp.ndarray, fast_accum: bool = False,
+                  candidates: int = 8, reps: int = 3) -> tuple[list[float], int]:
     """Time the algorithms cuBLASLt's heuristic offers for xq @ w^T (gemm_fp8's product) over
     the matrices ws one after another, as a step runs them (a matrix of each layer: together
     they do not fit in L2), and keep the fastest for products of this shape in xq's
@@ -287,7 +290,7 @@ def tune_gemm_fp8(xq: cp.ndarray, ws: list[Fp8Matrix], out: cp.ndarray, candidat
     N = ws[0].shape[0]
     out_type = _out_type(out, (np.float32, np.uint16))
     lt = _lt_handle()
-    plan = lt.plan(M, N, K, out_type)
+    plan = lt.plan(M, N, K, out_type, fast_accum)
     algos = lt._heuristic(*plan[:4], M, N, K, count=candidates)
     start, end = cp.cuda.Event(), cp.cuda.Event()
     times = []
@@ -307,5 +310,5 @@ def tune_gemm_fp8(xq: cp.ndarray, ws: list[Fp8Matrix], out: cp.ndarray, candidat
     best = min(range(len(algos)), key=times.__getitem__)
     if not times[best] < (1.0 - TUNE_MIN_GAIN) * times[0]:
         return times, 0
-    lt.choose(M, N, K, out_type, algos[best])
+    lt.choose(M, N, K, out_type, fast_accum, algos[best])
     return times, best

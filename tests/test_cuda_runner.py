@@ -23,9 +23,10 @@ DATA = json.loads((Path(__file__).parent / "data" / "llamacpp_smollm2.json").rea
 
 
 def cuda_runner(model, max_model_len=2048, max_num_seqs=16, eager=False, kv_bytes=1 << 30, kv_dtype="auto",
-                quantization=None):
+                quantization=None, fp8_accumulation="fast"):
     from engine.runner.cuda_runner import CudaRunner
     config = EngineConfig(model="test", device="cuda", enforce_eager=eager, quantization=quantization,
+                          fp8_accumulation=fp8_accumulation,
                           cache=CacheConfig(kv_cache_bytes=kv_bytes, kv_cache_dtype=kv_dtype),
                           scheduler=SchedulerConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                                     max_num_batched_tokens=max(2048, max_num_seqs)))
@@ -69,16 +70,20 @@ def test_smollm2_fp8_kv_cache_stays_close(smollm2, smollm2_runner):
     assert cos.mean() >= 0.995 and cos.min() >= 0.9 and agree >= 0.95
 
 
-def test_smollm2_fp8_weights_stay_close(smollm2, smollm2_runner):
+@pytest.mark.parametrize("accumulation", ["fast", "promoted"])
+def test_smollm2_fp8_weights_stay_close(smollm2, smollm2_runner, accumulation):
     """--quantization fp8 on the real model: the teacher-forced prefill runs cuBLASLt's e4m3
-    products (weights with a scale per feature, activations per token), a few decode-sized
-    steps the skinny GEMM on e4m3 weights; both against the float32 NumPy runner. The
-    checkpoint is Q4_1 (4-bit blocks of 32) requantized to e4m3 rows, and every product's
-    input is rounded to e4m3 as well: on the H200 the prefill measured mean cosine 0.988
-    (min 0.654 at one position) and 92.5 % top-1 agreement."""
-    gpu = cuda_runner(smollm2, quantization="fp8")
+    products (weights with a scale per feature, activations per token), with fast accumulation
+    (the default) or promoted sums, a few decode-sized steps the skinny GEMM on e4m3 weights;
+    both against the float32 NumPy runner. The checkpoint is Q4_1 (4-bit blocks of 32)
+    requantized to e4m3 rows, and every product's input is rounded to e4m3 as well: on the H200
+    the prefill (promoted sums) measured mean cosine 0.988 (min 0.654 at one position) and
+    92.5 % top-1 agreement."""
+    from kernels_cuda import gemm as G
+    gpu = cuda_runner(smollm2, quantization="fp8", fp8_accumulation=accumulation)
     assert type(gpu.weights.layers[0].qkv_proj).__name__ == "Fp8Matrix"
-    cos, agree = teacher_forced(gpu, smollm2_runner, "SmolLM2 fp8 weights")
+    cos, agree = teacher_forced(gpu, smollm2_runner, f"SmolLM2 fp8 weights, {accumulation} accumulation")
+    assert {key[4] for key in G._lt.plans if key[0] > 16} >= {accumulation == "fast"}  # the prefill's products
     assert cos.mean() >= 0.98 and agree >= 0.9
     ids = DATA["teacher"]["ids"][:12]  # 12 rows: the skinny GEMM's fp8 path
     got = gpu.forward(prefill_step([ids]), all_logits=True)

@@ -81,7 +81,13 @@ def test_quantization_setting(tmp_path, monkeypatch):
     assert resolve_settings(parse("--quantization", "fp8")).quantization == "fp8"
     with pytest.raises(ValueError, match="quantization must be one of fp8"):
         ServeSettings(quantization="int4")
+    assert ServeSettings().engine_config().fp8_accumulation == "fast"  # as vLLM's fp8 kernels add
+    assert resolve_settings(parse("--fp8-accumulation", "promoted")).engine_config().fp8_accumulation == "promoted"
+    with pytest.raises(ValueError, match="fp8_accumulation must be one of fast, promoted"):
+        ServeSettings(fp8_accumulation="exact")
     from engine.config import EngineConfig
+    with pytest.raises(ValueError, match="fp8_accumulation must be one of fast, promoted"):
+        EngineConfig(model="m", fp8_accumulation="float32")
     from engine.loader import load_model
     from engine.runner import make_runner
     from tests.tiny_models import build_tiny_model

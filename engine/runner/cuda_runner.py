@@ -358,6 +358,7 @@ class CudaRunner:
         self.scalar = np.uint16 if self.dtype_name == "bfloat16" else np.float16
         self.kv_fp8 = config.cache.kv_fp8  # K/V as float8 e4m3 bytes (uint8 arrays here)
         self.quant_fp8 = config.quantization == "fp8"  # layer matrices as Fp8Matrix
+        self.fp8_fast_accum = config.fp8_accumulation == "fast"  # their cuBLASLt products' sums
         for wanted, flag in ((self.kv_fp8, f"--kv-cache-dtype {config.cache.kv_cache_dtype}"),
                              (self.quant_fp8, f"--quantization {config.quantization}")):
             if wanted and tuple(int(c) for c in cp.cuda.Device().compute_capability) < (8, 9):
@@ -631,7 +632,7 @@ class CudaRunner:
             b = self.buffers
             xq, x_scale = xq if xq is not None else quantize_rows(x, b.act_q[:x.size].reshape(x.shape),
                                                                   b.act_scale[:n], pdl=self._launch_pdl)
-            gemm_fp8(xq, w, out)
+            gemm_fp8(xq, w, out, self.fp8_fast_accum)
             return x_scale, w.scale
         else:
             gemm(x, w, out)
@@ -880,7 +881,7 @@ class CudaRunner:
                                          ("gate_up_proj", cfg.hidden_size, self._product("gate_up", m)),
                                          ("down_proj", cfg.intermediate_size, self._product("down", m))):
                     xq = b.act_q[:m * width].reshape(m, width)
-                    times, used = tune_gemm_fp8(xq, [getattr(x, name) for x in layers], out)
+                    times, used = tune_gemm_fp8(xq, [getattr(x, name) for x in layers], out, self.fp8_fast_accum)
                     log.debug("fp8 %s at %d rows: %s us, #%d used", name, m, ", ".join(f"{t:.1f}" for t in times), used)
                     saved[m] += (times[0] - times[used]) * len(layers)
             self.stream.synchronize()
