@@ -283,6 +283,7 @@ def summarize(args, model: str, results: list[Result], duration: float) -> dict:
         # every request in the order it was sent: when (s from the first send; the clock is
         # the host's monotonic one, shared by the client processes), TTFT and end-to-end ms
         t0 = min(r.start for r in results)
+        summary["first_send_monotonic"] = t0  # to line the requests up with server-side stamps
         summary["requests"] = [{"start_s": round(r.start - t0, 6), "ttft_ms": round(1e3 * r.ttft, 3),
                                 "e2e_ms": round(1e3 * r.e2e, 3), "output_tokens": r.output_tokens,
                                 "error": r.error or None} for r in sorted(results, key=lambda r: r.start)]

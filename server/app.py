@@ -193,8 +193,10 @@ class CountingMiddleware:
 
 
 def create_app(settings: ServeSettings, engine: EngineAPI | None = None,
-               on_fatal: Callable[[str], None] | None = None) -> FastAPI:
-    """The ASGI app. Without `engine`, the model loads on a thread at startup."""
+               on_fatal: Callable[[str], None] | None = None,
+               on_ready: Callable[[], None] | None = None) -> FastAPI:
+    """The ASGI app. Without `engine`, the model loads on a thread at startup, and
+    `on_ready` runs there once it has (the CLI settles the garbage collector then)."""
     state = ServerState(settings, engine)
     serving = OpenAIServing(state)
 
@@ -205,6 +207,8 @@ def create_app(settings: ServeSettings, engine: EngineAPI | None = None,
                 try:
                     state.load()
                     log.info("model %s ready (%s)", settings.model_name, state.engine.device)
+                    if on_ready is not None:
+                        on_ready()
                 except Exception as exc:  # noqa: BLE001 - reported on /health and to the CLI
                     log.exception("could not load the model")
                     state.load_error = f"the model failed to load: {exc}"

@@ -61,7 +61,10 @@ def _serve(args: argparse.Namespace) -> int:
         fatal.append(message)
         server.should_exit = True
 
-    app = create_app(settings, on_fatal=on_fatal)
+    from engine.engine import quiet_collector
+
+    # the server keeps its model for life: full collections once a minute, not every few seconds
+    app = create_app(settings, on_fatal=on_fatal, on_ready=quiet_collector)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             timeout_graceful_shutdown=int(settings.shutdown_timeout), access_log=False,
                             timeout_keep_alive=settings.keep_alive_timeout,

@@ -191,3 +191,46 @@ def test_freeze_long_lived_puts_live_objects_out_of_the_collectors_reach():
         assert gc.get_freeze_count() >= before + len(keep)
     finally:
         gc.unfreeze()  # the test process goes on making and dropping engines
+
+
+QUIET_COLLECTOR_CHILD = """
+import gc, sys, time, weakref
+from engine.engine import quiet_collector
+
+class Node:
+    pass
+
+keep = [[i] for i in range(1000)]
+thread = quiet_collector(period_s=0.2)
+assert gc.get_freeze_count() >= len(keep), gc.get_freeze_count()
+assert gc.get_threshold()[2] >= 10 ** 6, gc.get_threshold()
+assert thread.daemon and thread.is_alive()
+node = Node()
+node.self = node  # a cycle: only the cyclic collector frees it
+ref = weakref.ref(node)
+gc.collect(1)
+gc.collect(1)  # survived two young collections: in the oldest generation now
+del node
+for _ in range(200):  # allocations drive young collections only; a full one must come from the thread
+    junk = [[] for _ in range(2000)]
+del junk
+assert ref() is not None, "a young collection freed an old cycle"
+deadline = time.monotonic() + 5
+while ref() is not None and time.monotonic() < deadline:
+    time.sleep(0.05)
+assert ref() is None, "the collecting thread did not run a full collection"
+print("ok")
+"""
+
+
+def test_quiet_collector_freezes_and_runs_full_collections_on_its_own_schedule():
+    """What `cuserve serve` does once the model is loaded (in a child process: freezing and
+    thresholds are the whole process's): the objects alive then are frozen, allocations no
+    longer trigger full collections, and the collecting thread still frees old cyclic garbage."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", QUIET_COLLECTOR_CHILD], cwd=root, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

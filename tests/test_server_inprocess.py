@@ -100,3 +100,21 @@ def test_stream_events_stay_one_line_for_unicode_line_breaks():
     assert len(lines) == 1 and lines[0].startswith("data: ")
     assert json.loads(lines[0][6:])["choices"][0]["text"] == text
     assert "\u00e9" in event  # other text stays as it is (no ASCII escapes)
+
+
+def test_on_ready_runs_once_the_model_has_loaded(smollm2_path):
+    """create_app's on_ready (the CLI's quiet_collector) runs on the loading thread after the
+    engine is up, not before."""
+    import time
+    seen: list[bool] = []
+    settings = ServeSettings(model=smollm2_path, device="cpu", engine_process=False, max_model_len=256)
+    app = create_app(settings, on_ready=lambda: seen.append(app.state.cuserve.engine is not None))
+
+    async def go():
+        async with app.router.lifespan_context(app):
+            deadline = time.monotonic() + 120
+            while not seen and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+
+    asyncio.run(go())
+    assert seen == [True]
