@@ -8,6 +8,11 @@
 #            and the SmolLM2 decode benchmark (TESTS=0 skips these); FULL_BENCH=1, LOAD=1: the benchmarks;
 #            SERVE=1: only FULL_BENCH's serving part
 # Logs go to $OUT (the tool brings them back); a summary table is printed last.
+# Wheels the lent machines lack (cp312, manylinux x86_64; match the versions in your venv): fastapi,
+#   starlette, pydantic, pydantic_core, typing_extensions, typing_inspection, annotated_types, annotated_doc,
+#   anyio, sniffio, idna, uvicorn, click, h11, uvloop, httptools, gguf, opentelemetry_api (fastapi >= 0.16x);
+#   for the openai client test: openai, jiter, distro, httpx, httpcore, certifi, and for openai 3.x httpx2,
+#   httpcore2, truststore.
 set -uo pipefail
 stage=${1:?stage 1 or 2}
 store=/tmp/cuserve_store  # outside the repo copy, which every call re-syncs
