@@ -60,9 +60,9 @@ def quiet_collector(period_s: float = FULL_COLLECTION_PERIOD_S) -> threading.Thr
     collections off the allocation-driven schedule and run one every `period_s` seconds on a
     daemon thread instead (young generations keep their thresholds). Under load a server
     allocates fast, and CPython ran a full collection every ~2.5 s, each walking every live
-    object with the event loop stopped: H200, 8B fp8, 256 streams over HTTP: 50-100 ms each,
-    ITL p99 60-81 ms; none of 24 such collections found garbage. Without them ITL p99 was
-    47-55 ms. Returns the collecting thread."""
+    object with the event loop stopped: H200, 8B fp8, 256 streams over HTTP: 44-107 ms each,
+    ITL p99 63-83 ms; none of 24 such collections found garbage. With this, ITL p99 was
+    45-55 ms. Returns the collecting thread."""
     freeze_long_lived()
     young, middle, _ = gc.get_threshold()
     gc.set_threshold(young, middle, 1_000_000)  # gen-2 runs once per 10^6 gen-1 runs: never, in practice
