@@ -54,8 +54,9 @@ class SimRunner:
     device = "sim"
 
     def __init__(self, base: float, per_decode: float, per_prompt: float, chain_rows: int = 256,
-                 num_kv_slots: int = 1 << 22) -> None:
+                 num_kv_slots: int = 1 << 22, eager_launch: float = 0.0) -> None:
         self.cost = (base, per_decode, per_prompt)
+        self.eager_launch = eager_launch  # host seconds a step with prompt tokens takes to launch
         self.chain_rows = chain_rows
         self.num_kv_slots = num_kv_slots
         self.busy_until = 0.0
@@ -71,12 +72,16 @@ class SimRunner:
         base, per_decode, per_prompt = self.cost
         seconds = base + per_decode * decodes + per_prompt * prompt
         now = time.perf_counter()
+        if prompt and self.eager_launch:  # the CUDA runner launches such a step kernel by kernel,
+            # holding the GIL most of the time; the device starts on the first kernels meanwhile
+            while time.perf_counter() - now < self.eager_launch:
+                pass
         kind = "ahead" if out.chained else "mixed" if prompt else "decode"
         entry = self.idle.setdefault(kind, [0, 0.0])
         entry[0] += 1
         gap = now - self.busy_until
         entry[1] += gap if 0.0 < gap <= self.IDLE_MAX else 0.0
-        end = self.busy_until = max(now, self.busy_until) + seconds
+        end = self.busy_until = max(max(now, self.busy_until) + seconds, time.perf_counter())
         self.busy += seconds
         from engine.outputs import RunnerOutput
         sampled = {s.seq_id: 1000 + (s.seq_id * 7 + s.start_pos) % 5000 for s in out.seqs if s.sample}
@@ -134,7 +139,7 @@ def build_engine(args, config=None):
     from engine.loader import load_model
     model = load_model(args.model, with_tokenizer=True)
     runner = SimRunner(args.sim_step_ms / 1e3, args.sim_decode_ms / 1e3, args.sim_prompt_us / 1e6,
-                       chain_rows=args.max_num_seqs)
+                       chain_rows=args.max_num_seqs, eager_launch=args.sim_eager_launch_ms / 1e3)
     return Engine(config or sim_config(args), model, runner=runner)
 
 
@@ -280,6 +285,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sim-step-ms", type=float, default=1.0, help="cost model: ms a step")
     ap.add_argument("--sim-decode-ms", type=float, default=0.028, help="cost model: ms a decode row")
     ap.add_argument("--sim-prompt-us", type=float, default=14.6, help="cost model: us a prompt token")
+    ap.add_argument("--sim-eager-launch-ms", type=float, default=0.0,
+                    help="cost model: host ms to launch a step with prompt tokens (the CUDA runner's are eager, "
+                         "kernel by kernel: H200, 8B fp8, ~10 ms for a 512-token prefill); decode graphs cost none")
     ap.add_argument("--port", type=int, default=0, help="the HTTP run's server port (0: a free one)")
     ap.add_argument("--mode", choices=("both", "engine", "http"), default="both")
     ap.add_argument("--arrival-delay-ms", type=float, default=0.0,
