@@ -70,9 +70,13 @@ def test_sigterm_drains_in_flight_streams(smollm2_path, tmp_path_factory):
 
 
 def _engine_process(pid: int) -> int:
-    """The server's engine process (multiprocessing's spawned child, not its resource tracker)."""
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        children = [int(p) for p in f.read().split()]
+    """The server's engine process (multiprocessing's spawned child, not its resource tracker).
+    A child is listed under the thread that started it (the model-loading thread) or, once that
+    thread is gone, under whichever of the process's threads the kernel gave it to: read them all."""
+    children = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            children += [int(p) for p in f.read().split()]
     spawned = []
     for child in children:
         with open(f"/proc/{child}/cmdline", "rb") as f:
