@@ -28,16 +28,17 @@ import numpy as np
 from kernels_cuda import attn_block as attn_block_module
 from kernels_cuda import attn_o as attn_o_module
 from kernels_cuda import mlp_block as mlp_block_module
+from kernels_cuda._module import pdl_supported, sm_count
 from kernels_cuda.activation import silu_mul
 from kernels_cuda.embedding import embedding
 from kernels_cuda.flash_decode import KEYS as FLASH_KEYS
 from kernels_cuda.flash_decode import MAX_SPLITS as FLASH_MAX_SPLITS
 from kernels_cuda.flash_decode import flash_decode
+from kernels_cuda.flash_prefill import BLOCK_M as PREFILL_TILE
 from kernels_cuda.flash_prefill import flash_prefill, tiles
 from kernels_cuda.gemm import gemm, gemm_fp8, tune_gemm_fp8
 from kernels_cuda.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from kernels_cuda.gemv import NormIn, gemv, gemv_rope, gemv_silu
-from kernels_cuda._module import pdl_supported, sm_count
 from kernels_cuda.quant import Fp8Matrix, quantize_matrix, quantize_rows
 from kernels_cuda.rmsnorm import add_rms_norm, rms_norm
 from kernels_cuda.rope import rope_kv_write
@@ -188,44 +189,74 @@ def measure_copy_bandwidth(stream: cp.cuda.Stream, nbytes: int = 1 << 30, repeat
 
 
 class StagedInputs:
-    """Per-row int32/int64/float32 inputs packed in one pinned host buffer and one device
-    buffer, so a step's inputs go up in a single copy."""
+    """A step's inputs packed in pinned host memory and one device buffer, so that they go up
+    in a single copy. The host side has two copies used in turn: `writable` hands out the one
+    the step before last uploaded from, so a step launched ahead fills its inputs while the
+    previous step's copy (queued behind the step before it) may not have run yet. fields:
+    name -> (dtype, shape)."""
 
-    def __init__(self, rows: int, fields: dict[str, tuple[np.dtype, tuple[int, ...]]]) -> None:
-        self.rows = rows
+    def __init__(self, fields: dict[str, tuple[np.dtype, tuple[int, ...]]]) -> None:
         offsets, total = {}, 0
-        for name, (dtype, inner) in fields.items():
-            nbytes = rows * int(np.prod(inner, dtype=np.int64)) * np.dtype(dtype).itemsize
+        for name, (dtype, shape) in fields.items():
+            nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
             offsets[name] = (total, nbytes)
             total += -(-nbytes // 256) * 256
         self.nbytes = total
-        self._pinned = cp.cuda.alloc_pinned_memory(total)
-        host_bytes = np.frombuffer(self._pinned, np.uint8, total)
-        host_bytes[:] = 0  # pinned memory comes back from the pool as it was left
         self.device_bytes = cp.zeros(total, np.uint8)
-        self._uploaded = cp.cuda.Event(disable_timing=True)
-        self.host: dict[str, np.ndarray] = {}
-        self.dev: dict[str, cp.ndarray] = {}
-        self._ends: dict[str, int] = {}
-        for name, (dtype, inner) in fields.items():
-            off, nbytes = offsets[name]
-            shape = (rows, *inner)
-            self.host[name] = host_bytes[off:off + nbytes].view(dtype).reshape(shape)
-            self.dev[name] = self.device_bytes[off:off + nbytes].view(dtype).reshape(shape)
-            self._ends[name] = off + nbytes
+        self._pinned, self._hosts = [], []
+        for _ in range(2):
+            pinned = cp.cuda.alloc_pinned_memory(total)
+            host_bytes = np.frombuffer(pinned, np.uint8, total)
+            host_bytes[:] = 0  # pinned memory comes back from the pool as it was left
+            self._pinned.append(pinned)
+            self._hosts.append({name: host_bytes[off:off + n].view(dtype).reshape(shape)
+                                for name, (dtype, shape) in fields.items() for off, n in [offsets[name]]})
+        self._uploaded = [cp.cuda.Event(disable_timing=True) for _ in range(2)]
+        self._side = 0
+        self.dev: dict[str, cp.ndarray] = {
+            name: self.device_bytes[off:off + n].view(dtype).reshape(shape)
+            for name, (dtype, shape) in fields.items() for off, n in [offsets[name]]}
+        self._ends = {name: off + n for name, (off, n) in offsets.items()}
+
+    @property
+    def host(self) -> dict[str, np.ndarray]:
+        """The host fields of the current side (what the next upload copies)."""
+        return self._hosts[self._side]
+
+    def sides(self) -> list[dict[str, np.ndarray]]:
+        """Both host sides' fields (for what every step leaves the same)."""
+        return self._hosts
 
     def upload(self, stream: cp.cuda.Stream, upto: str | None = None) -> None:
-        """Copy the host buffer (or its prefix ending with field `upto`) to the device."""
+        """Copy the current host side (or its prefix ending with field `upto`) to the device."""
         n = self.nbytes if upto is None else self._ends[upto]
-        cp.cuda.runtime.memcpyAsync(self.device_bytes.data.ptr, self._pinned.ptr, n,
+        cp.cuda.runtime.memcpyAsync(self.device_bytes.data.ptr, self._pinned[self._side].ptr, n,
                                     cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
-        self._uploaded.record(stream)
+        self._uploaded[self._side].record(stream)
 
     def writable(self) -> dict[str, np.ndarray]:
-        """The host fields, once the last upload has read them (a step launched ahead fills
-        them while the step before it may not have started)."""
-        self._uploaded.synchronize()
+        """Move to the other host side and return its fields once its last upload has read
+        them (that of the step before last: queued, at the latest, ahead of the last step)."""
+        self._side ^= 1
+        self._uploaded[self._side].synchronize()
         return self.host
+
+
+RAGGED_TOKENS = {"tok_ids": np.int32, "tok_pos": np.int32, "tok_src": np.int32, "tok_k": np.int64, "tok_v": np.int64}
+RAGGED_SEQS = {"q_start": np.int32, "q_len": np.int32, "kv_len": np.int32, "seq_k": np.int64, "seq_v": np.int64,
+               "last_tok": np.int64}
+RAGGED_TILES = {"tile_seq": np.int32, "tile_q0": np.int32}
+
+
+def ragged_fields(tokens: int) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+    """The inputs of a ragged step of up to `tokens` tokens (so as many sequences at most):
+    per token its id, position, where its id is in `sampled` (_token_sources) and its K/V
+    slot pointers; per sequence where its queries start, how many, its keys, its K/V
+    pointers and its last token's row; the prompts' tiles for flash_prefill (one per 64
+    queries: at most tokens / 64 + one a sequence)."""
+    tiles_max = tokens + tokens // PREFILL_TILE + 1
+    return {**{name: (dt, (tokens,)) for name, dt in {**RAGGED_TOKENS, **RAGGED_SEQS}.items()},
+            **{name: (dt, (tiles_max,)) for name, dt in RAGGED_TILES.items()}}
 
 
 class HostOutputs:
@@ -264,6 +295,7 @@ class DecodeBuffers:
     """
 
     inputs: StagedInputs  # input_ids, positions, kv_lens, k/v ptrs, sampling params (R,)
+    ragged: StagedInputs  # a ragged step's tokens, sequences and prefill tiles (ragged_fields)
     embed_out: cp.ndarray  # (A, hidden) f32 -- the residual stream, updated in place
     norm_out: cp.ndarray  # (A, hidden) 16-bit
     # qkv_out, gate_up_out: the bytes of a product some kernel reads back, seen through
@@ -312,7 +344,7 @@ class DecodeBuffers:
                   self.gate_up_out, self.mlp_act, self.down_out]
         shared += [a for a in (self.act_q, self.act_scale, self.res_alt, self.o_parts, self.down_parts)
                    if a is not None]
-        return self.inputs.nbytes + sum(a.nbytes for a in owned + shared)
+        return self.inputs.nbytes + self.ragged.nbytes + sum(a.nbytes for a in owned + shared)
 
 
 # ---------------------------------------------------------------------------- runner
@@ -545,7 +577,8 @@ class CudaRunner:
             if self.attn_block_fits or self.attn_o_fits else None,
             down_parts=cp.zeros((mlp_block_module.parts(cfg.intermediate_size), GEMV_MAX_ROWS, cfg.hidden_size),
                                 np.float32) if self.mlp_block_fits else None,
-            inputs=StagedInputs(R, fields),
+            inputs=StagedInputs({name: (dtype, (R, *inner)) for name, (dtype, inner) in fields.items()}),
+            ragged=StagedInputs(ragged_fields(A)),
             embed_out=cp.zeros((A, cfg.hidden_size), np.float32),
             norm_out=cp.zeros((A, cfg.hidden_size), s),
             qkv_out=qkv_out,
@@ -901,7 +934,9 @@ class CudaRunner:
             self._launch_pdl = False
 
     def _capture_each_bucket(self) -> None:
-        self._fill_padding(0, self.rows)
+        for _ in range(2):  # both host sides, for steps that fill only their rows
+            self.buffers.inputs.writable()
+            self._fill_padding(0, self.rows)
         self.buffers.inputs.upload(self.stream)
         for bucket in BUCKETS:
             if bucket > self.rows:
@@ -1187,39 +1222,57 @@ class CudaRunner:
         return self._submit_varlen(rows)()
 
     def _submit_varlen(self, rows: list[ScheduledSeq]) -> Callable[[], RunnerOutput]:
+        """A step through the ragged path: its tokens, sequences and tiles staged in one copy
+        (DecodeBuffers.ragged), the sampling parameters of its sampling rows in another, both
+        ahead of its layers."""
         cfg, b, w = self.config, self.buffers, self.weights
-        T = sum(r.num_tokens for r in rows)
+        T, S = sum(r.num_tokens for r in rows), len(rows)
         if T > self.max_tokens:
             raise ValueError(f"step of {T} tokens exceeds the runner's {self.max_tokens}")
-        q_lens = np.array([r.num_tokens for r in rows], np.int32)
-        q_start = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int32)
-        kv_starts = np.array([r.kv_start for r in rows], np.int64)
-        seq_k = self.k_cache.data.ptr + kv_starts * self._slot_bytes
-        seq_v = self.v_cache.data.ptr + kv_starts * self._slot_bytes
-        tok_ids = np.fromiter((t for r in rows for t in r.token_ids), np.int32, T)
-        tok_pos = np.concatenate([np.arange(r.start_pos, r.kv_len, dtype=np.int32) for r in rows])
-        tok_k = np.repeat(seq_k, q_lens)
-        tok_v = np.repeat(seq_v, q_lens)
+        g = b.ragged.writable()
+        q_lens, q_start, kv_lens = g["q_len"][:S], g["q_start"][:S], g["kv_len"][:S]
+        q_lens[:] = [r.num_tokens for r in rows]
+        q_start[0] = 0
+        np.cumsum(q_lens[:-1], out=q_start[1:])
+        kv_lens[:] = [r.kv_len for r in rows]
+        seq_k, seq_v = g["seq_k"][:S], g["seq_v"][:S]
+        np.multiply(np.fromiter((r.kv_start for r in rows), np.int64, S), self._slot_bytes, out=seq_k)
+        seq_v[:] = seq_k
+        seq_k += self.k_cache.data.ptr
+        seq_v += self.v_cache.data.ptr
+        g["tok_ids"][:T] = np.fromiter((t for r in rows for t in r.token_ids), np.int32, T)
+        g["tok_pos"][:T] = np.concatenate([np.arange(r.start_pos, r.kv_len, dtype=np.int32) for r in rows])
+        g["tok_k"][:T] = np.repeat(seq_k, q_lens)
+        g["tok_v"][:T] = np.repeat(seq_v, q_lens)
         # The leading one-token rows (the decodes the scheduler puts first) attend through
         # split-KV decoding: a 64-query prefill tile would spend 63/64 of its work on padding.
-        nd = int(np.argmin(q_lens == 1)) if (q_lens != 1).any() else len(rows)
+        nd = int(np.argmin(q_lens == 1)) if (q_lens != 1).any() else S
         nd = min(nd, self.rows)
-        kv_lens = np.array([r.kv_len for r in rows], np.int32)
         tile_seq, tile_q0 = tiles(q_lens[nd:], kv_lens[nd:])
+        n_tiles = tile_seq.size
+        g["tile_seq"][:n_tiles] = tile_seq
+        g["tile_q0"][:n_tiles] = tile_q0
         max_keys = int(kv_lens[nd:].max(initial=0))
         logit_rows = [i for i, r in enumerate(rows) if r.sample]
-        last_tok = (q_start + q_lens - 1)[logit_rows].astype(np.int64)
-
+        n = len(logit_rows)
+        g["last_tok"][:n] = (q_start + q_lens - 1)[logit_rows]
         tok_src = self._token_sources(rows, q_start, T)
+        if tok_src is not None:
+            g["tok_src"][:T] = tok_src
+        if n:
+            b.inputs.writable()
+            slot = self._outputs.take()
+            extra, want_lp = self._fill_sampling([rows[i] for i in logit_rows], slot)
 
         with self.stream:
-            dev = {name: cp.asarray(arr) for name, arr in (
-                ("tok_ids", tok_ids), ("tok_pos", tok_pos), ("tok_k", tok_k), ("tok_v", tok_v),
-                ("tile_seq", tile_seq), ("tile_q0", tile_q0), ("q_start", q_start), ("q_len", q_lens),
-                ("kv_len", kv_lens), ("seq_k", seq_k), ("seq_v", seq_v))}
+            b.ragged.upload(self.stream)
+            if n:
+                b.inputs.upload(self.stream, upto=None if extra else "banned_n")
+            dev = {name: a[:T if name in RAGGED_TOKENS else n_tiles if name in RAGGED_TILES else S]
+                   for name, a in b.ragged.dev.items()}
             self._sampled_at = {rows[i].seq_id: j for j, i in enumerate(logit_rows)}
             embedding(dev["tok_ids"], w.embed_tokens, b.embed_out[:T],
-                      **({} if tok_src is None else {"src": cp.asarray(tok_src), "sampled": b.sampled}))
+                      **({} if tok_src is None else {"src": dev["tok_src"], "sampled": b.sampled}))
 
             window = cfg.sliding_window or 0
             decode_args = (b.q_rot[:nd], dev["seq_k"][:nd], dev["seq_v"][:nd], dev["kv_len"][:nd])
@@ -1254,17 +1307,11 @@ class CudaRunner:
             prompt_rows = [i for i, r in enumerate(rows) if r.want_prompt_logprobs]
             for i in prompt_rows:
                 result.prompt_logprobs[rows[i].seq_id] = self._prompt_logprobs(rows[i], int(q_start[i]))
-            n = len(logit_rows)
             if n == 0:
                 self.stream.synchronize()
                 return lambda: result
-            self._sample_rows(b.norm_out[:T], last_tok, n)
+            self._sample_rows(b.norm_out[:T], b.ragged.dev["last_tok"][:n], n)
             self._linear(b.final_norm_out[:n], w.lm_head, b.logits[:n])
-            sampling_rows = [rows[i] for i in logit_rows]
-            b.inputs.writable()
-            slot = self._outputs.take()
-            extra, want_lp = self._fill_sampling(sampling_rows, slot)
-            b.inputs.upload(self.stream, upto=None if extra else "banned_n")
             self._sample(n)
             self._download(slot, n, want_lp)
 
