@@ -279,7 +279,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--processes", type=int, default=None, help="HTTP client processes (bench/serve.py's)")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--schedule-prompts-ahead", action="store_true", help="as the server's setting")
+    ap.add_argument("--schedule-prompts-ahead", action=argparse.BooleanOptionalAction, default=True,
+                        help="as the server's setting (--no-schedule-prompts-ahead: off)")
     ap.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                     help="as the server's setting: the HTTP run's engine in a process of its own (default)")
     ap.add_argument("--sim-step-ms", type=float, default=1.0, help="cost model: ms a step")

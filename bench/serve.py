@@ -324,7 +324,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     engine.add_argument("--max-num-seqs", type=int, default=256)
     engine.add_argument("--max-num-batched-tokens", default="8192",
                         help="token budget per step; a comma-separated list runs the load once per budget")
-    engine.add_argument("--schedule-prompts-ahead", action="store_true", help="as the server's setting")
+    engine.add_argument("--schedule-prompts-ahead", action=argparse.BooleanOptionalAction, default=True,
+                        help="as the server's setting (--no-schedule-prompts-ahead: off)")
     engine.add_argument("--engine-process", action="store_true",
                         help="the engine in a process of its own, as the server runs it (this process then "
                              "only sends the requests and reads the outputs, as an HTTP client would); default: "

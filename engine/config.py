@@ -213,8 +213,9 @@ class SchedulerConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_waiting: int = 1024  # requests queued beyond this are refused (overload)
     # launch steps that take prompts ahead of the step in flight too, when the waiting
-    # requests fill them (Scheduler.schedule_ahead), not only steady decode steps
-    prompts_ahead: bool = False
+    # requests fill them (Scheduler.schedule_ahead), not only steady decode steps; H200, 8B fp8
+    # at 256 streams: +5.7 % output tok/s over HTTP, the same at 32 streams and for a lone request
+    prompts_ahead: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):

@@ -39,9 +39,9 @@ class ServeSettings:
     max_num_seqs: int = _s(128, "int", "sequences decoded together at most")
     max_num_batched_tokens: int = _s(2048, "int", "tokens per engine step (decodes + prefill chunks)")
     max_waiting: int = _s(1024, "int", "queued requests beyond this get 503 + Retry-After")
-    schedule_prompts_ahead: bool = _s(False, "bool", "CUDA: also launch engine steps that take prompts while the "
+    schedule_prompts_ahead: bool = _s(True, "bool", "CUDA: also launch engine steps that take prompts while the "
                                       "step before runs, when waiting requests fill them (more throughput under a "
-                                      "queue; a later first token for requests that arrive meanwhile)")
+                                      "queue); off: only steady decode steps go ahead")
     kv_cache_gib: float | None = _s(None, "float", "KV cache size in GiB (default: GPU: from "
                                     "gpu_memory_utilization; CPU: cpu_kv_cache_gib)")
     kv_cache_dtype: str = _s("auto", "str", "KV cache element: auto (the model's 16-bit type) or fp8 (e4m3, "

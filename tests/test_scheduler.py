@@ -500,7 +500,7 @@ def test_schedule_ahead_rows():
 
 
 def test_schedule_ahead_without_prompts_ahead_only_in_steady_decoding():
-    """SchedulerConfig.prompts_ahead off (the default): only steps that decode every running
+    """SchedulerConfig.prompts_ahead off: only steps that decode every running
     sequence, with no one waiting, are scheduled ahead."""
     s, runner = make_scheduler(max_num_seqs=2, initial_decode_slots=4)
     a, b, c = make_requests([6, 6, 6], max_tokens=3)

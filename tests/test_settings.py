@@ -54,8 +54,8 @@ def test_engine_config_follows_settings():
     cfg = ServeSettings(max_model_len=512, kv_cache_gib=0.5, max_waiting=3, served_model_name="m").engine_config()
     assert cfg.scheduler.max_model_len == 512 and cfg.scheduler.max_waiting == 3
     assert cfg.cache.kv_cache_bytes == 1 << 29 and cfg.served_model_name == "m"
-    assert not cfg.scheduler.prompts_ahead
-    assert ServeSettings(schedule_prompts_ahead=True).engine_config().scheduler.prompts_ahead
+    assert cfg.scheduler.prompts_ahead
+    assert not ServeSettings(schedule_prompts_ahead=False).engine_config().scheduler.prompts_ahead
 
 
 def test_kv_cache_dtype_setting(tmp_path):
