@@ -101,6 +101,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8 (e4m3)")
     ap.add_argument("--quantization", default=None, help="fp8: e4m3 layer weights (default: 16-bit)")
     ap.add_argument("--fp8-accumulation", default="fast", help="fast or promoted (the server's setting)")
+    ap.add_argument("--schedule-prompts-ahead", action=argparse.BooleanOptionalAction, default=True,
+                    help="as the server's setting (--no-schedule-prompts-ahead: off)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
@@ -110,7 +112,8 @@ def main() -> None:
                           cache=CacheConfig(kv_cache_bytes=kv, kv_cache_dtype=args.kv_cache_dtype),
                           scheduler=SchedulerConfig(max_num_seqs=max(batches), max_waiting=max(batches),
                                                     max_num_batched_tokens=max(2048, max(batches)),
-                                                    max_model_len=args.prompt_len + args.max_tokens + 16))
+                                                    max_model_len=args.prompt_len + args.max_tokens + 16,
+                                                    prompts_ahead=args.schedule_prompts_ahead))
     engine = Engine(config)
     engine.start()
     run_batch(engine, 1, args.prompt_len, 8)  # warm-up: compile, allocate, touch memory
