@@ -206,6 +206,58 @@ def test_warm_up_leaves_serving_steps_nothing_to_build(tmp_path, kv_dtype, quant
         assert set(gemm._lt.algos) == algos, sorted(set(gemm._lt.algos) - algos)
 
 
+class CountedGraph:
+    """A captured graph whose launches are counted."""
+
+    def __init__(self, graph, counts: list) -> None:
+        self.graph, self.counts = graph, counts
+
+    def launch(self, stream) -> None:
+        self.counts.append(1)
+        self.graph.launch(stream)
+
+
+@pytest.mark.parametrize("kv_dtype,quant", [("auto", None), ("fp8", "fp8")])
+def test_ragged_steps_replay_their_layers_graphs(tmp_path, kv_dtype, quant):
+    """Prefill and mixed steps of up to RAGGED_GRAPH_TOKENS[-1] tokens replay their layers'
+    graphs (padded to the next captured token count), with the attention launched between
+    them: at a captured count, the logits of every token are the eager path's, bit for bit;
+    padded, as close as products of another row count allow (cuBLAS may pick another kernel);
+    past the largest count the step runs eagerly."""
+    from engine.runner.cuda_runner import RAGGED_GRAPH_TOKENS
+    model = load_model(str(build_tiny_model(tmp_path, "llama_hd64", seed=5)), with_tokenizer=False)
+    runners = {graphed: cuda_runner(model, max_model_len=REGION, kv_dtype=kv_dtype, quantization=quant,
+                                    eager=not graphed) for graphed in (True, False)}
+    assert not runners[False].ragged_graphs
+    graphed = runners[True]
+    assert list(graphed.ragged_graphs) == [t for t in RAGGED_GRAPH_TOKENS if t <= graphed.max_tokens]
+    counts: list = []
+    layers = graphed.config.num_layers
+    graphed.ragged_graphs = {t: [CountedGraph(g, counts) for g in pieces] for t, pieces in graphed.ragged_graphs.items()}
+    assert all(len(pieces) == layers + 1 for pieces in graphed.ragged_graphs.values())
+    r = np.random.default_rng(8)
+    first = [r.integers(0, VOCAB, n).tolist() for n in (40, 24)]  # 64 tokens: a captured count
+    mixed = SchedulerOutput([ScheduledSeq(i, [9 + i], len(p), i * REGION, True) for i, p in enumerate(first)]
+                            + [ScheduledSeq(2, r.integers(0, VOCAB, 126).tolist(), 0, 2 * REGION, True)])  # 128
+    padded = [prefill_step([r.integers(0, VOCAB, n).tolist() for n in (5,)]),  # 5 -> 16: the skinny GEMM
+              SchedulerOutput([ScheduledSeq(3, r.integers(0, VOCAB, 150).tolist(), 0, 3 * REGION, True),
+                               ScheduledSeq(4, r.integers(0, VOCAB, 30).tolist(), 0, 4 * REGION, True)])]  # 180 -> 192
+    exact = [prefill_step(first), mixed]
+    for step in exact + padded:
+        got = {g: runner.forward(step, all_logits=True) for g, runner in runners.items()}
+        if step in exact:
+            np.testing.assert_array_equal(got[True], got[False])
+        else:
+            assert_close_logits(got)
+    assert len(counts) == len(exact + padded) * (layers + 1)
+    big = max(graphed.ragged_graphs) + 1  # in pieces of at most REGION - 1 tokens
+    assert big <= graphed.max_tokens
+    sizes = [REGION - 1] * (big // (REGION - 1)) + [big % (REGION - 1)]
+    graphed.forward(SchedulerOutput([ScheduledSeq(5 + i, [1] * n, 0, (5 + i) * REGION, False)
+                                     for i, n in enumerate(sizes) if n]))
+    assert len(counts) == len(exact + padded) * (layers + 1)  # eagerly: no graph launched
+
+
 def assert_close_logits(got: dict) -> None:
     """Logits of a fused path (got[True]) against the separate kernels' (got[False]): as close
     as a change in the order of sums allows, and the same top token or one within rounding of

@@ -58,6 +58,13 @@ log = logging.getLogger("cuserve.cuda")
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 MAX_BANNED = MAX_STOP_TOKEN_IDS + 8  # stop_token_ids + eos ids while min_tokens holds
 GRAPH_RESERVE_BYTES = 512 << 20  # left free for cuBLAS workspaces and graph instantiation
+# Ragged steps (prefill, mixed) of up to the last of these tokens replay graphs of their
+# layers, captured for each of these token counts (the step padded to the next one), with the
+# attention launched between them (_capture_ragged): such steps are bound by the host's
+# launches, ~10 ms a step for an 8B model; steps of more tokens are bound by the device and
+# run eagerly. Each count stays in its power-of-two bucket of rows, where cuBLASLt's algorithm
+# is chosen (gemm._Lt.plan), so padding changes no product's algorithm.
+RAGGED_GRAPH_TOKENS = (16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
 # The decode attention keeps up to ~222 KB of shared memory on an SM; a kernel that starts
 # while it drains (programmatic dependent launch) runs with that split of the SM's memory,
 # ~28 KB of L1, and the skinny GEMM re-reads its input rows from L1. So the o projection
@@ -464,11 +471,15 @@ class CudaRunner:
         # rows of a step launched ahead with pending_tokens take theirs from there)
         self._sampled_at: dict[int, int] = {}
         self.graphs: dict[int, cp.cuda.Graph] = {}
+        # token count -> the graphs of a ragged step's layers between its attentions (_capture_ragged)
+        self.ragged_graphs: dict[int, list[cp.cuda.Graph]] = {}
         if self.quant_fp8:
             self._tune_products()
         if not self.enforce_eager:
             self._capture_graphs()
         self._warm_up()
+        if not self.enforce_eager:
+            self._capture_ragged()
         self.copy_bandwidth = measure_copy_bandwidth(self.stream)  # bytes/s, read + written
         self.weight_bytes = self._weight_bytes()
         self.last_roofline_fraction: float | None = None  # of the last decode step timed, for /metrics
@@ -477,6 +488,9 @@ class CudaRunner:
                  self.dtype_name, " (layers fp8 e4m3)" if self.quant_fp8 else "", self.buffers.memory_bytes() / 2**20,
                  self.num_kv_slots, self.kv_pool_bytes / 2**30, "fp8 e4m3" if self.kv_fp8 else self.dtype_name,
                  sorted(self.graphs) or "none (eager)")
+        if self.ragged_graphs:
+            log.info("CUDA runner: ragged steps of up to %d tokens replay graphs (%d token counts, %d graphs)",
+                     max(self.ragged_graphs), len(self.ragged_graphs), sum(map(len, self.ragged_graphs.values())))
 
     # ------------------------------------------------------------------ setup
 
@@ -954,6 +968,71 @@ class CudaRunner:
                 self.graphs[bucket] = self.stream.end_capture()
         self.stream.synchronize()
 
+    def _capture_ragged(self) -> None:
+        """The graphs of ragged steps (RAGGED_GRAPH_TOKENS): for each token count, _ragged_body
+        captured in pieces, one before each layer's attention and the last after the final
+        norm. The attention callback ends a piece and starts the next; at a step, the pieces
+        replay with the step's attention launched between them (_submit_varlen). Padding
+        tokens (_pad_ragged) write their K/V into the spare slot. Captured with programmatic
+        dependent launch, as the decode graphs are."""
+        sizes = [t for t in RAGGED_GRAPH_TOKENS if t <= self.max_tokens]
+        if not sizes:
+            return
+        ragged = self.buffers.ragged
+        self._pad_ragged(ragged.writable(), 0, sizes[-1])
+        self._launch_pdl = self.pdl
+        try:
+            with self.stream:
+                ragged.upload(self.stream)
+                for T in sizes:
+                    self._ragged_body(T, lambda offset: None)  # warm-up: compiles, plans the products
+                    self.stream.synchronize()
+                    pieces: list[cp.cuda.Graph] = []
+
+                    def split(offset: int) -> None:
+                        pieces.append(self.stream.end_capture())
+                        self.stream.begin_capture()
+                    self.stream.begin_capture()
+                    try:
+                        self._ragged_body(T, split)
+                    except Exception:
+                        log.exception("could not capture the ragged graphs for %d tokens; such steps run eagerly", T)
+                        continue
+                    finally:
+                        if self.stream.is_capturing():
+                            pieces.append(self.stream.end_capture())
+                    self.ragged_graphs[T] = pieces
+                self.stream.synchronize()
+        finally:
+            self._launch_pdl = False
+
+    def _pad_ragged(self, g: dict[str, np.ndarray], start: int, end: int) -> None:
+        """Tokens [start, end) of a ragged step's staged inputs as padding: token 0 at position
+        0, its own id, K/V written to the spare slot."""
+        g["tok_ids"][start:end] = 0
+        g["tok_pos"][start:end] = 0
+        g["tok_src"][start:end] = -1
+        g["tok_k"][start:end] = self._spare_k
+        g["tok_v"][start:end] = self._spare_v
+
+    def _ragged_body(self, n: int, attention) -> None:
+        """A ragged step's n tokens from the staged inputs to the final norm (norm_out): the
+        embedding, the layers (attention(offset) for each layer's attention), the final norm."""
+        cfg, b, w = self.config, self.buffers, self.weights
+        d = b.ragged.dev
+        embedding(d["tok_ids"][:n], w.embed_tokens, b.embed_out[:n], pdl=self._launch_pdl, src=d["tok_src"][:n],
+                  sampled=b.sampled)
+        down_scales, residual, delta = self._layers(n, (d["tok_pos"][:n], d["tok_k"][:n], d["tok_v"][:n]), attention)
+        add_rms_norm(residual, delta, w.norm, cfg.rms_norm_eps, out=b.norm_out[:n], scales=down_scales,
+                     pdl=self._launch_pdl)
+
+    def _ragged_graph_tokens(self, T: int) -> int | None:
+        """The token count whose graphs a ragged step of T tokens replays, or None (eager)."""
+        for size in self.ragged_graphs:
+            if size >= T:
+                return size
+        return None
+
     def _warm_up(self) -> None:
         """Run the ragged path (prefill and mixed steps) once at every power of two of tokens
         from 2 to the step budget, before the first request: its kernels compile (NVRTC;
@@ -1257,8 +1336,10 @@ class CudaRunner:
         n = len(logit_rows)
         g["last_tok"][:n] = (q_start + q_lens - 1)[logit_rows]
         tok_src = self._token_sources(rows, q_start, T)
-        if tok_src is not None:
-            g["tok_src"][:T] = tok_src
+        g["tok_src"][:T] = -1 if tok_src is None else tok_src
+        graphed = self._ragged_graph_tokens(T)
+        if graphed is not None:
+            self._pad_ragged(g, T, graphed)
         if n:
             b.inputs.writable()
             slot = self._outputs.take()
@@ -1271,9 +1352,6 @@ class CudaRunner:
             dev = {name: a[:T if name in RAGGED_TOKENS else n_tiles if name in RAGGED_TILES else S]
                    for name, a in b.ragged.dev.items()}
             self._sampled_at = {rows[i].seq_id: j for j, i in enumerate(logit_rows)}
-            embedding(dev["tok_ids"], w.embed_tokens, b.embed_out[:T],
-                      **({} if tok_src is None else {"src": dev["tok_src"], "sampled": b.sampled}))
-
             window = cfg.sliding_window or 0
             decode_args = (b.q_rot[:nd], dev["seq_k"][:nd], dev["seq_v"][:nd], dev["kv_len"][:nd])
             prefill_seqs = tuple(dev[name][nd:] for name in ("q_start", "q_len", "kv_len", "seq_k", "seq_v"))
@@ -1301,8 +1379,14 @@ class CudaRunner:
                 if nd < len(rows):
                     prefill_attention(offset)
 
-            down_scales, residual, delta = self._layers(T, (dev["tok_pos"], dev["tok_k"], dev["tok_v"]), attention)
-            add_rms_norm(residual, delta, w.norm, cfg.rms_norm_eps, out=b.norm_out[:T], scales=down_scales)
+            if graphed is None:
+                self._ragged_body(T, attention)
+            else:  # the layers' graphs, the attention between them
+                pieces = self.ragged_graphs[graphed]
+                for i, piece in enumerate(pieces[:-1]):
+                    piece.launch(self.stream)
+                    attention(i * self._layer_elems)
+                pieces[-1].launch(self.stream)
             result = RunnerOutput()
             prompt_rows = [i for i, r in enumerate(rows) if r.want_prompt_logprobs]
             for i in prompt_rows:
