@@ -7,8 +7,12 @@ partials, logits, sampling state) and the KV pool, which takes the memory the ca
 config leaves. A step whose rows are all single decode tokens fills the per-row
 inputs with one host-to-device copy and replays the CUDA graph captured for the
 smallest batch bucket >= B (padding rows point at a spare KV slot and change
-nothing). Steps with prefill chunks run eagerly as one ragged batch (cuBLAS GEMMs +
-the flash-attention prefill kernel). Sampling runs on the GPU; only the sampled ids
+nothing). Steps with prefill chunks run as one ragged batch (cuBLAS GEMMs + the
+flash-attention prefill kernel), their inputs staged in one copy too: up to
+RAGGED_GRAPH_TOKENS[-1] tokens they replay graphs of the layers captured for the next
+token count (piecewise: the attention, whose launch follows the step's sequences, runs
+between the pieces); larger steps, bound by the device, launch eagerly. Sampling runs on
+the GPU; only the sampled ids
 (and requested logprobs) come back. `submit` launches a step and returns a function that
 waits for it, so the engine can use the host meanwhile; `execute` is the two in one.
 """
