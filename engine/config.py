@@ -243,7 +243,7 @@ class EngineConfig:
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     seed: int | None = None  # seeds the streams of requests that give no seed
-    enforce_eager: bool = False  # CUDA: run decode steps without graphs (debugging)
+    enforce_eager: bool = False  # CUDA: run every step without graphs (debugging)
     served_model_name: str | None = None
     # CPU runner weights: "auto" = 16 bits when the C kernels compile (bfloat16 for bf16
     # checkpoints, else float16), "float32" = the exact reference

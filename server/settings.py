@@ -57,7 +57,7 @@ class ServeSettings:
     cpu_kv_cache_gib: float = _s(1.0, "float", "KV cache size in GiB on the CPU")
     cpu_weight_dtype: str = _s("auto", "str", "CPU weights: auto (16-bit with the C kernels), float32, float16, "
                                "bfloat16", ("auto", "float32", "float16", "bfloat16"))
-    enforce_eager: bool = _s(False, "bool", "CUDA: run decode steps without CUDA graphs (debugging)")
+    enforce_eager: bool = _s(False, "bool", "CUDA: run every step without CUDA graphs (debugging)")
     engine_process: bool = _s(True, "bool", "run the engine (scheduling, steps, detokenizing) in a process of "
                               "its own, so that it does not share a GIL with the HTTP work (throughput under many "
                               "streams); --no-engine-process: on a thread of the server's process")
