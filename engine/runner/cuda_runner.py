@@ -234,10 +234,6 @@ class StagedInputs:
         """The host fields of the current side (what the next upload copies)."""
         return self._hosts[self._side]
 
-    def sides(self) -> list[dict[str, np.ndarray]]:
-        """Both host sides' fields (for what every step leaves the same)."""
-        return self._hosts
-
     def upload(self, stream: cp.cuda.Stream, upto: str | None = None) -> None:
         """Copy the current host side (or its prefix ending with field `upto`) to the device."""
         n = self.nbytes if upto is None else self._ends[upto]
