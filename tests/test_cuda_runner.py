@@ -23,13 +23,13 @@ DATA = json.loads((Path(__file__).parent / "data" / "llamacpp_smollm2.json").rea
 
 
 def cuda_runner(model, max_model_len=2048, max_num_seqs=16, eager=False, kv_bytes=1 << 30, kv_dtype="auto",
-                quantization=None, fp8_accumulation="fast"):
+                quantization=None, fp8_accumulation="fast", budget=2048):
     from engine.runner.cuda_runner import CudaRunner
     config = EngineConfig(model="test", device="cuda", enforce_eager=eager, quantization=quantization,
                           fp8_accumulation=fp8_accumulation,
                           cache=CacheConfig(kv_cache_bytes=kv_bytes, kv_cache_dtype=kv_dtype),
                           scheduler=SchedulerConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                                                    max_num_batched_tokens=max(2048, max_num_seqs)))
+                                                    max_num_batched_tokens=max(budget, max_num_seqs)))
     return CudaRunner(config, model, progress=False)
 
 
@@ -227,7 +227,8 @@ def test_ragged_steps_replay_their_layers_graphs(tmp_path, kv_dtype, quant):
     from engine.runner.cuda_runner import RAGGED_GRAPH_TOKENS
     model = load_model(str(build_tiny_model(tmp_path, "llama_hd64", seed=5)), with_tokenizer=False)
     runners = {graphed: cuda_runner(model, max_model_len=REGION, kv_dtype=kv_dtype, quantization=quant,
-                                    eager=not graphed) for graphed in (True, False)}
+                                    eager=not graphed, budget=RAGGED_GRAPH_TOKENS[-1] + REGION)
+               for graphed in (True, False)}
     assert not runners[False].ragged_graphs
     graphed = runners[True]
     assert list(graphed.ragged_graphs) == [t for t in RAGGED_GRAPH_TOKENS if t <= graphed.max_tokens]
@@ -251,7 +252,7 @@ def test_ragged_steps_replay_their_layers_graphs(tmp_path, kv_dtype, quant):
             assert_close_logits(got)
     assert len(counts) == len(exact + padded) * (layers + 1)
     big = max(graphed.ragged_graphs) + 1  # in pieces of at most REGION - 1 tokens
-    assert big <= graphed.max_tokens
+    assert big <= graphed.max_tokens and graphed._ragged_graph_tokens(big) is None
     sizes = [REGION - 1] * (big // (REGION - 1)) + [big % (REGION - 1)]
     graphed.forward(SchedulerOutput([ScheduledSeq(5 + i, [1] * n, 0, (5 + i) * REGION, False)
                                      for i, n in enumerate(sizes) if n]))

@@ -62,13 +62,16 @@ log = logging.getLogger("cuserve.cuda")
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 MAX_BANNED = MAX_STOP_TOKEN_IDS + 8  # stop_token_ids + eos ids while min_tokens holds
 GRAPH_RESERVE_BYTES = 512 << 20  # left free for cuBLAS workspaces and graph instantiation
-# Ragged steps (prefill, mixed) of up to the last of these tokens replay graphs of their
-# layers, captured for each of these token counts (the step padded to the next one), with the
-# attention launched between them (_capture_ragged): such steps are bound by the host's
-# launches, ~10 ms a step for an 8B model; steps of more tokens are bound by the device and
-# run eagerly. Each count stays in its power-of-two bucket of rows, where cuBLASLt's algorithm
-# is chosen (gemm._Lt.plan), so padding changes no product's algorithm.
-RAGGED_GRAPH_TOKENS = (16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
+# Ragged steps (prefill, mixed) of up to the last of these tokens (the default step budget)
+# replay graphs of their layers, captured for each of these token counts (the step padded to
+# the next one), with the attention launched between them (_capture_ragged). Launched eagerly,
+# such a step is bound by the host's ~350 launches for an 8B model (~9-10 ms; a 128-token
+# prompt's TTFT 16 ms against 4 ms replayed), and a small model's steps are at every size
+# (SmolLM2, 2,048 tokens: 8-13 ms a step). Larger steps launch eagerly. Each count stays in its
+# power-of-two bucket of rows, where cuBLASLt's algorithm is chosen (gemm._Lt.plan), so padding
+# changes no product's algorithm.
+RAGGED_GRAPH_TOKENS = (16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1152, 1280, 1408,
+                       1536, 1664, 1792, 1920, 2048)
 # The decode attention keeps up to ~222 KB of shared memory on an SM; a kernel that starts
 # while it drains (programmatic dependent launch) runs with that split of the SM's memory,
 # ~28 KB of L1, and the skinny GEMM re-reads its input rows from L1. So the o projection
