@@ -59,7 +59,7 @@ class SimRunner:
         self.eager_launch = eager_launch  # host seconds a step with prompt tokens takes to launch
         self.chain_rows = chain_rows
         self.num_kv_slots = num_kv_slots
-        self.busy_until = 0.0
+        self.busy_until = self.near_end = 0.0
         self.reset()
 
     def reset(self) -> None:
@@ -82,6 +82,7 @@ class SimRunner:
         gap = now - self.busy_until
         entry[1] += gap if 0.0 < gap <= self.IDLE_MAX else 0.0
         end = self.busy_until = max(max(now, self.busy_until) + seconds, time.perf_counter())
+        self.near_end = end - seconds / 4  # the CUDA runner marks its last quarter of layers
         self.busy += seconds
         from engine.outputs import RunnerOutput
         sampled = {s.seq_id: 1000 + (s.seq_id * 7 + s.start_pos) % 5000 for s in out.seqs if s.sample}
@@ -95,6 +96,12 @@ class SimRunner:
 
     def execute(self, out):
         return self.submit(out)()
+
+    def wait_near_end(self) -> None:
+        """As the CUDA runner's: until the last step submitted has a quarter left."""
+        wait = self.near_end - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
 
     def report(self) -> dict:
         return {"gpu_busy_s": self.busy,
@@ -130,7 +137,7 @@ def sim_config(args):
     return EngineConfig(model=args.model, device="cpu", scheduler=SchedulerConfig(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.input_len + args.output_len + 16, max_waiting=max(args.num_prompts, 1),
-        prompts_ahead=args.schedule_prompts_ahead))
+        prompts_ahead=args.schedule_prompts_ahead, late_ahead=args.late_ahead))
 
 
 def build_engine(args, config=None):
@@ -281,6 +288,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--schedule-prompts-ahead", action=argparse.BooleanOptionalAction, default=True,
                         help="as the server's setting (--no-schedule-prompts-ahead: off)")
+    ap.add_argument("--late-ahead", action=argparse.BooleanOptionalAction, default=False,
+                    help="as the server's setting of that name")
     ap.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                     help="as the server's setting: the HTTP run's engine in a process of its own (default)")
     ap.add_argument("--sim-step-ms", type=float, default=1.0, help="cost model: ms a step")

@@ -216,6 +216,10 @@ class SchedulerConfig:
     # requests fill them (Scheduler.schedule_ahead), not only steady decode steps; H200, 8B fp8
     # at 256 streams: +5.7 % output tok/s over HTTP, the same at 32 streams and for a lone request
     prompts_ahead: bool = True
+    # launch a step ahead only once the step in flight nears its end (the runner's
+    # wait_near_end), so that requests arriving meanwhile join it; only after steps of
+    # LATE_AHEAD_MIN_STEP_S or more (engine.py), whose last quarter covers the next launch
+    late_ahead: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):

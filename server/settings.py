@@ -42,6 +42,8 @@ class ServeSettings:
     schedule_prompts_ahead: bool = _s(True, "bool", "CUDA: also launch engine steps that take prompts while the "
                                       "step before runs, when waiting requests fill them (more throughput under a "
                                       "queue); off: only steady decode steps go ahead")
+    late_ahead: bool = _s(False, "bool", "CUDA: launch a step ahead only once the step in flight nears its end "
+                          "(its last quarter of layers), so that requests arriving meanwhile join it")
     kv_cache_gib: float | None = _s(None, "float", "KV cache size in GiB (default: GPU: from "
                                     "gpu_memory_utilization; CPU: cpu_kv_cache_gib)")
     kv_cache_dtype: str = _s("auto", "str", "KV cache element: auto (the model's 16-bit type) or fp8 (e4m3, "
@@ -102,7 +104,7 @@ class ServeSettings:
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_model_len=self.max_model_len, max_waiting=self.max_waiting,
-                                      prompts_ahead=self.schedule_prompts_ahead),
+                                      prompts_ahead=self.schedule_prompts_ahead, late_ahead=self.late_ahead),
         )
 
 

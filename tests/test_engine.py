@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+import engine.engine as engine_module
 from engine import Engine, EngineConfig, SamplingParams, SchedulerConfig
 from engine.llm import LLM
 
@@ -267,10 +268,23 @@ class ChainingRunner(OverlappingRunner):
         return finish
 
 
+class LateRunner(ChainingRunner):
+    """Also marks where a step nears its end (wait_near_end, SchedulerConfig.late_ahead): counts
+    the waits, and the submits that came after a wait in the same engine step."""
+
+    def __init__(self, inner) -> None:
+        super().__init__(inner)
+        self.near_end_waits = 0
+
+    def wait_near_end(self) -> None:
+        self.near_end_waits += 1
+
+
 def overlapping_engine(smollm2, smollm2_path, runner=OverlappingRunner, max_num_seqs: int = 256,
-                       prompts_ahead: bool = False) -> Engine:
+                       prompts_ahead: bool = False, late_ahead: bool = False) -> Engine:
     engine = Engine(EngineConfig(model=smollm2_path, device="cpu", scheduler=SchedulerConfig(
-        max_model_len=1024, max_num_seqs=max_num_seqs, prompts_ahead=prompts_ahead)), model=smollm2)
+        max_model_len=1024, max_num_seqs=max_num_seqs, prompts_ahead=prompts_ahead, late_ahead=late_ahead)),
+        model=smollm2)
     engine.runner = runner(engine.runner)
     return engine
 
@@ -329,23 +343,32 @@ def test_an_overlapping_engine_wakes_the_event_loop_before_waiting_for_the_devic
 
 
 @pytest.mark.parametrize("runner,prompts_ahead", [(OverlappingRunner, False), (ChainingRunner, False),
-                                                   (ChainingRunner, True)], ids=["overlap", "chained", "prompts"])
-def test_overlapping_runs_give_the_outputs_of_plain_runs(smollm2, smollm2_path, llm, runner, prompts_ahead):
+                                                   (ChainingRunner, True), (LateRunner, True)],
+                         ids=["overlap", "chained", "prompts", "late"])
+def test_overlapping_runs_give_the_outputs_of_plain_runs(smollm2, smollm2_path, llm, runner, prompts_ahead,
+                                                         monkeypatch):
     """Same tokens, texts, stop reasons and logprobs with and without the overlap, stop
     strings included: a sequence stopped by one while its next token was being computed
     does not get that token. chained: steps are also launched ahead of the previous step's
     update (seeded sampling, a repetition penalty and min_tokens count the token in flight).
     prompts: with room for 3 sequences, so that the later prompts are admitted while others
-    decode, and those admissions launched ahead too (SchedulerConfig.prompts_ahead)."""
+    decode, and those admissions launched ahead too (SchedulerConfig.prompts_ahead). late: each
+    step launched ahead only once the step in flight nears its end (SchedulerConfig.late_ahead;
+    every step counts as long enough here)."""
+    late = runner is LateRunner
+    if late:
+        monkeypatch.setattr(engine_module, "LATE_AHEAD_MIN_STEP_S", 0.0)
     prompts = PROMPTS[:4] + ["The capital of France is"]
     params = [SamplingParams(max_tokens=12 + 3 * i, temperature=0, logprobs=2 if i == 1 else None,
                              repetition_penalty=1.3 if i == 2 else 1.0, min_tokens=10 if i == 3 else 0)
               for i in range(4)] + [SamplingParams(n=3, max_tokens=30, temperature=0.9, seed=7, stop=[".", " the"])]
     engine = overlapping_engine(smollm2, smollm2_path, runner, max_num_seqs=3 if prompts_ahead else 256,
-                                prompts_ahead=prompts_ahead)
+                                prompts_ahead=prompts_ahead, late_ahead=late)
     got = run_all(engine, prompts, params)
     want = run_all(llm.engine, prompts, params)
-    if runner is ChainingRunner:
+    if late:  # one wait a step
+        assert engine.runner.near_end_waits == engine.stats.steps > 10
+    if issubclass(runner, ChainingRunner):
         assert engine.runner.chained > 10
         assert engine.runner.chained_prefills >= 1 if prompts_ahead else engine.runner.chained_prefills == 0
     assert any(c.finish_reason == "stop" for c in want[4][-1].outputs)

@@ -392,6 +392,10 @@ class CudaRunner:
         self.overlap_attention = True
         self._side_stream = cp.cuda.Stream(non_blocking=True)
         self._side_events = (cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True))
+        # recorded by every step before the attention of its layer near_end_layer (the last
+        # quarter of the layers on): wait_near_end (SchedulerConfig.late_ahead)
+        self._near_end = cp.cuda.Event(disable_timing=True)
+        self.near_end_layer = cfg.num_layers - max(1, cfg.num_layers // 4)
         # programmatic dependent launch in the decode graphs (Hopper+); _launch_pdl is whether
         # the kernels launched now use it: only while capturing (see _capture_graphs)
         self.pdl = pdl_supported() if pdl is None else pdl
@@ -646,6 +650,7 @@ class CudaRunner:
         self.kv_pool_bytes = 2 * self.k_cache.nbytes
         self._slot_bytes = cfg.kv_size * elem  # bytes from one slot to the next within a layer
         self._layer_elems = (self.num_kv_slots + 1) * cfg.kv_size  # elements from one layer to the next
+        self._near_end_offset = self.near_end_layer * self._layer_elems
         self._spare_k = self.k_cache.data.ptr + self.num_kv_slots * self._slot_bytes
         self._spare_v = self.v_cache.data.ptr + self.num_kv_slots * self._slot_bytes
 
@@ -887,6 +892,17 @@ class CudaRunner:
                      b.attn_out[:n], cfg.softmax_scale, plan.chunk, cfg.sliding_window or 0, pdl=self._launch_pdl,
                      kv_fp8=self.kv_fp8, whole=plan.whole, short=plan.short)
 
+    def _mark_near_end(self, offset: int) -> None:
+        """Record _near_end on the stream before the attention of layer near_end_layer (in a
+        decode graph, as one of its nodes)."""
+        if offset == self._near_end_offset:
+            self._near_end.record(self.stream)
+
+    def wait_near_end(self) -> None:
+        """Wait until the last step submitted has reached the last quarter of its layers
+        (Engine._late_ahead): launching the next step then still leaves the device busy."""
+        self._near_end.synchronize()
+
     def _sample(self, n: int) -> None:
         b, d = self.buffers, self.buffers.inputs.dev
         sample_tokens(b.logits, b.sample_work, d, b.pen_counts, b.pen_prompt_mask, b.sampled, rows=n,
@@ -901,6 +917,7 @@ class CudaRunner:
                   src=d["token_src"][:n], sampled=b.sampled)
 
         def attention(offset: int) -> None:
+            self._mark_near_end(offset)
             self._decode_attention(n, b.q_rot[:n], d["k_ptrs"][:n], d["v_ptrs"][:n], d["kv_lens"][:n], offset)
 
         down_scales, residual, delta = self._layers(n, (d["positions"][:n], d["k_ptrs"][:n], d["v_ptrs"][:n]),
@@ -1365,6 +1382,7 @@ class CudaRunner:
                               max_keys=max_keys)
 
             def attention(offset: int) -> None:
+                self._mark_near_end(offset)
                 if nd and nd < len(rows) and self.overlap_attention:
                     # the two read the same q and K/V and write other rows of attn_out: the
                     # prompts' tiles on the side stream, the decode rows' splits beside them
