@@ -170,9 +170,68 @@ def _run_part(args, part: int):
     return asyncio.run(http_part(args, part))
 
 
+# the server's latency histograms (server/metrics.py) read before and after an HTTP load
+SERVER_HISTOGRAMS = {"server_ttft_ms": "cuserve_time_to_first_token_seconds",
+                     "server_queue_ms": "cuserve_request_queue_time_seconds"}
+
+
+def parse_histograms(text: str, names) -> dict[str, tuple[list[float], list[float], float, float]]:
+    """Prometheus histograms of a /metrics text: name -> (upper bounds, cumulative counts,
+    sum, count); names absent from the text are left out."""
+    out: dict[str, tuple[list[float], list[float], float, float]] = {}
+    for name in names:
+        bounds, counts, total, count = [], [], None, None
+        for line in text.splitlines():
+            if line.startswith(name + '_bucket{le="'):
+                le, value = line[len(name) + 12:].split('"} ')
+                bounds.append(float(le))
+                counts.append(float(value))
+            elif line.startswith(name + "_sum "):
+                total = float(line.split()[1])
+            elif line.startswith(name + "_count "):
+                count = float(line.split()[1])
+        if bounds and total is not None and count is not None:
+            out[name] = (bounds, counts, total, count)
+    return out
+
+
+def histogram_delta(before, after) -> dict[str, float] | None:
+    """Mean and p50 (ms) of what a histogram gathered between two readings (parse_histograms's
+    tuples): the mean exact, the p50 interpolated within its bucket. None if nothing came."""
+    bounds, counts_after, sum_after, n_after = after
+    _, counts_before, sum_before, n_before = before
+    n = n_after - n_before
+    if n <= 0:
+        return None
+    counts = [a - b for a, b in zip(counts_after, counts_before)]
+    half, lower, below = n / 2, 0.0, 0.0
+    p50 = float("nan")
+    for bound, cumulative in zip(bounds, counts):
+        if cumulative >= half:
+            inside = cumulative - below
+            p50 = lower if bound == float("inf") or inside <= 0 else lower + (bound - lower) * (half - below) / inside
+            break
+        lower, below = bound, cumulative
+    return {"mean": 1e3 * (sum_after - sum_before) / n, "p50": 1e3 * p50, "requests": n}
+
+
+def server_histograms(args) -> dict:
+    """SERVER_HISTOGRAMS as the server exports them now ({} from a server without them)."""
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        text = httpx.get(args.url.rstrip("/") + "/metrics", headers=headers, timeout=10.0).text
+    except httpx.HTTPError:
+        return {}
+    return parse_histograms(text, SERVER_HISTOGRAMS.values())
+
+
 def run(args) -> dict:
     """The HTTP load, from one client process or --processes of them (a single Python
-    client can fall behind the server's events at hundreds of streams)."""
+    client can fall behind the server's events at hundreds of streams). With a cuserve
+    server, also its own TTFT and queue time over the load (arrival at the engine to the
+    first token / the first step: server_ttft_ms, server_queue_ms; the client processes'
+    one warm-up request each included), so the HTTP path's share of the client's TTFT shows."""
+    before = server_histograms(args)
     args.start_at = None
     if args.processes == 1:
         parts = [_run_part(args, 0)]
@@ -184,7 +243,13 @@ def run(args) -> dict:
         with concurrent.futures.ProcessPoolExecutor(args.processes, mp_context=spawn) as pool:
             parts = list(pool.map(_run_part, [args] * args.processes, range(args.processes)))
     results = [r for part in parts for r in part[1]]
-    return summarize(args, parts[0][0], results, max(p[3] for p in parts) - min(p[2] for p in parts))
+    summary = summarize(args, parts[0][0], results, max(p[3] for p in parts) - min(p[2] for p in parts))
+    after = server_histograms(args)
+    for key, name in SERVER_HISTOGRAMS.items():
+        delta = histogram_delta(before[name], after[name]) if name in before and name in after else None
+        if delta is not None:
+            summary[key] = delta
+    return summary
 
 
 def step_summary(trace: list[tuple[int, int, float]]) -> dict:
@@ -364,6 +429,10 @@ def report(args, summary: dict) -> None:
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         s = summary[key]
         print(f"  {key[:-3]:5s} mean {s['mean']:9.2f}  p50 {s['p50']:9.2f}  p99 {s['p99']:9.2f} ms")
+    for key in SERVER_HISTOGRAMS:
+        if key in summary:  # the server's own, from /metrics
+            s = summary[key]
+            print(f"  {key[:-3]:12s} mean {s['mean']:9.2f}  p50 ~{s['p50']:8.2f} ms (server's histogram)")
     if summary["errors"]:
         print("  errors:", summary["errors"])
     if "steps" in summary:
