@@ -17,8 +17,9 @@ The default cost model is the H200's for Llama-3-8B with fp8 weights and fp8 K/V
 from bench/serve.py --engine traces, docs/performance.md): 1.0 ms a step + 0.028 ms a decode
 row + 14.6 us a prompt token. With it, this came near the GPU's own serving runs on H200
 hosts (engine 10.2-10.6k tok/s against 9.4-10.0k, HTTP 9.8-10.3k against 8.3-9.6k). The
-numbers depend on the host's CPU: compare runs on one machine. --schedule-prompts-ahead
-sets the server's setting of that name in both runs.
+numbers depend on the host's CPU: compare runs on one machine. --schedule-prompts-ahead and
+--late-ahead set the server's settings of those names in both runs (the stand-in marks the last
+quarter of a step for --late-ahead, as the CUDA runner does).
 """
 
 from __future__ import annotations
