@@ -1369,8 +1369,11 @@ class CudaRunner:
             b.ragged.upload(self.stream)
             if n:
                 b.inputs.upload(self.stream, upto=None if extra else "banned_n")
-            dev = {name: a[:T if name in RAGGED_TOKENS else n_tiles if name in RAGGED_TILES else S]
-                   for name, a in b.ragged.dev.items()}
+            # the attention's views (the per-token fields are read at their own lengths by
+            # _ragged_body or the captured pieces, last_tok by _sample_rows)
+            staged = b.ragged.dev
+            dev = {name: staged[name][:S] for name in ("q_start", "q_len", "kv_len", "seq_k", "seq_v")}
+            dev.update({name: staged[name][:n_tiles] for name in RAGGED_TILES})
             self._sampled_at = {rows[i].seq_id: j for j, i in enumerate(logit_rows)}
             window = cfg.sliding_window or 0
             decode_args = (b.q_rot[:nd], dev["seq_k"][:nd], dev["seq_v"][:nd], dev["kv_len"][:nd])
