@@ -306,7 +306,7 @@ async def run_engine(args) -> list[dict]:
                                   max_num_batched_tokens=max(args.budgets),
                                   max_model_len=args.input_len + args.output_len + 16,
                                   prompts_ahead=args.schedule_prompts_ahead,
-                                  late_ahead=args.late_ahead))
+                                  late_ahead=args.late_ahead, catch_up_tokens=args.catch_up_tokens))
     engine = EngineProcess(config) if args.engine_process else Engine(config)
     args.vocab = min(args.vocab, engine.model_config.vocab_size)
     prompts = make_prompts(args)
@@ -394,6 +394,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="as the server's setting (--no-schedule-prompts-ahead: off)")
     engine.add_argument("--late-ahead", action=argparse.BooleanOptionalAction, default=False,
                         help="as the server's setting of that name")
+    engine.add_argument("--catch-up-tokens", type=int, default=None,
+                        help="as the server's setting (default: half the budget; 0: off)")
     engine.add_argument("--engine-process", action="store_true",
                         help="the engine in a process of its own, as the server runs it (this process then "
                              "only sends the requests and reads the outputs, as an HTTP client would); default: "

@@ -155,6 +155,7 @@ class EngineGauges:
     waiting: int = 0  # requests queued (not yet admitted) or preempted
     kv_usage: float = 0.0  # fraction of the KV cache owned by sequences
     preemptions: int = 0  # since start
+    catch_up_steps: int = 0  # since start: steps given SchedulerConfig.catch_up more tokens
     roofline_fraction: float | None = None  # of the last decode step timed (CUDA runner: one in 8), else None
 
 
@@ -372,7 +373,7 @@ class Engine(EngineAPI):
         running = len({seq.request.request_id for seq in list(sched.running)})
         waiting = self._pending_adds() + len(sched.waiting) + len(
             {seq.request.request_id for seq in list(sched.preempted)})
-        return EngineGauges(running, waiting, sched.kv.usage, sched.num_preemptions,
+        return EngineGauges(running, waiting, sched.kv.usage, sched.num_preemptions, sched.num_catch_up_steps,
                             getattr(self.runner, "last_roofline_fraction", None))
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, sink: Sink,

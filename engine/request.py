@@ -176,6 +176,7 @@ class Request:
         self.timings = RequestTimings() if arrival is None else RequestTimings(arrival=arrival)
         self.seqs: list[Sequence] = []
         self.prompt_logprobs: list = []  # TokenLogprobs of prompt tokens 1.. (when asked for)
+        self.queued_after = 0  # the steps the scheduler had made when it queued this (Scheduler._step_budget)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,6 +1,8 @@
 """Continuous batching. Pure Python: no arrays (DESIGN.md).
 
-Each step, in this order, within `max_num_batched_tokens`:
+Each step, in this order, within `max_num_batched_tokens` (half as many more, or
+`catch_up_tokens`, while a short queue holds a request passed over by the last step:
+`_step_budget`):
   1. running sequences with one pending token decode (their region grows first if
      full, preempting the most recently admitted sequences when memory is short);
   2. running sequences part-way through their prompt get their next chunk;
@@ -44,6 +46,8 @@ class Scheduler:
         self._next_seq_id = 0
         self._step = 0
         self.num_preemptions = 0
+        self.num_steps = 0  # steps scheduled (schedule, schedule_ahead) with rows
+        self.num_catch_up_steps = 0  # of which given the catch-up tokens too (_step_budget)
         self._gone: list[int] = []  # sequences finished or preempted since the last schedule()
 
     # ------------------------------------------------------------ requests
@@ -71,6 +75,7 @@ class Scheduler:
         for seq in request.seqs[1:]:
             seq.needs_fork = True  # copy the prefix from sibling 0 rather than prefill
         self.requests[request.request_id] = request
+        request.queued_after = self.num_steps
         self.waiting.append(request)
 
     def abort(self, request_id: str) -> Request | None:
@@ -219,9 +224,29 @@ class Scheduler:
             self.running.append(seq)
         return True
 
+    def _step_budget(self) -> int:
+        """The tokens a step may take: max_num_batched_tokens, and SchedulerConfig.catch_up
+        more while the queue is a backlog: its first request was queued before the last step
+        was scheduled and is still waiting (it was passed over: a request queued in time gets
+        into the next step while there is room), and the queue is short (at most max_num_seqs
+        / 4 requests). A longer queue is a flood, as when a load starts: admitting it faster
+        would only bring its successors back faster than a steady step takes them."""
+        c = self.config
+        w = self.waiting
+        if c.catch_up and w and len(w) <= max(1, c.max_num_seqs // 4) and w[0].queued_after < self.num_steps:
+            return c.max_step_tokens
+        return c.max_num_batched_tokens
+
+    def _scheduled(self, out: SchedulerOutput, budget: int) -> SchedulerOutput:
+        """Count a step made with rows, within `budget` tokens."""
+        self.num_steps += 1
+        if budget > self.config.max_num_batched_tokens:
+            self.num_catch_up_steps += 1
+        return out
+
     def schedule(self) -> SchedulerOutput:
         self._step += 1
-        budget = self.config.max_num_batched_tokens
+        budget = step_budget = self._step_budget()
         rows: list[ScheduledSeq] = []
         copies: list[KVCopy] = []
 
@@ -270,16 +295,17 @@ class Scheduler:
             budget -= end
             prompt_tokens += end
         if not self.preempted:
-            self._admit_waiting(budget, rows, copies, prompt_tokens=prompt_tokens)
+            self._admit_waiting(budget, rows, copies, prompt_tokens=prompt_tokens, step_budget=step_budget)
 
         gone, self._gone = self._gone, []
-        return SchedulerOutput(seqs=rows, kv_copies=copies, step=self._step, finished_seq_ids=gone)
+        out = SchedulerOutput(seqs=rows, kv_copies=copies, step=self._step, finished_seq_ids=gone)
+        return self._scheduled(out, step_budget) if rows else out
 
-    def _prompt_room(self, ending: int = 0) -> int:
-        """Tokens a step may give to prompts when it admits new requests: the budget less a
-        row for each sequence that will be decoding once the waiting requests are in (at
-        most max_num_seqs, at most half the budget; `ending`: running sequences about to
-        end).
+    def _prompt_room(self, ending: int = 0, step_budget: int | None = None) -> int:
+        """Tokens a step may give to prompts when it admits new requests: the step's budget
+        (_step_budget; max_num_batched_tokens where None) less a row for each sequence that
+        will be decoding once the waiting requests are in (at most max_num_seqs, at most half
+        of max_num_batched_tokens; `ending`: running sequences about to end).
 
         Requests admitted in one step finish in one step, and under a fixed concurrency
         their successors arrive together: a burst taken in while few sequences decode, at
@@ -293,15 +319,15 @@ class Scheduler:
             if decoding >= cap:
                 break
             decoding += request.params.n
-        return c.max_num_batched_tokens - min(decoding, cap)
+        return (step_budget or c.max_num_batched_tokens) - min(decoding, cap)
 
     def _admit_waiting(self, budget: int, rows: list[ScheduledSeq], copies: list[KVCopy], ending: int = 0,
-                       prompt_tokens: int = 0) -> None:
+                       prompt_tokens: int = 0, step_budget: int | None = None) -> None:
         """New requests, in arrival order, while the budget (within _prompt_room, of which
         `prompt_tokens` are already the step's), max_num_seqs and the pool allow: the first
-        chunk of each one's prompt (`ending`: as _admit)."""
+        chunk of each one's prompt (`ending`, `step_budget`: as _admit, _prompt_room)."""
         if self.waiting:
-            budget = min(budget, self._prompt_room(ending) - prompt_tokens)
+            budget = min(budget, self._prompt_room(ending, step_budget) - prompt_tokens)
         while budget > 0 and self.waiting:
             request = self.waiting[0]
             capacity = self._initial_capacity(request, request.num_prompt_tokens)
@@ -348,7 +374,7 @@ class Scheduler:
         in_prev = {row.seq_id for row in prev.seqs}
         if any(seq.seq_id not in in_prev for seq in self.running):
             return None
-        budget = self.config.max_num_batched_tokens
+        budget = step_budget = self._step_budget()
         decodes: list[ScheduledSeq] = []
         chunks: list[tuple[ScheduledSeq, int]] = []  # prev's prompt rows part-way, and where they go to
         ending: list[int] = []  # sequences whose token from prev is their last
@@ -382,7 +408,7 @@ class Scheduler:
             return None
         budget -= len(decodes)
         prompt_tokens = sum(target - row.kv_len for row, target in chunks)
-        room = min(budget, self._prompt_room(len(ending))) if self.waiting else budget
+        room = min(budget, self._prompt_room(len(ending), step_budget)) if self.waiting else budget
         if (chunks or self.waiting) and not self._prompts_fill(room - prompt_tokens, len(ending)):
             return None  # a plain step, scheduled once prev is done, can take what arrives meanwhile
         rows = decodes
@@ -398,13 +424,14 @@ class Scheduler:
         # the ending sequences' places go to new ones already (their regions are freed by
         # update(prev)); the runner lets go of their state when this step is submitted, after
         # prev on its stream
-        self._admit_waiting(budget, rows, copies, ending=len(ending), prompt_tokens=chunk_tokens)
+        self._admit_waiting(budget, rows, copies, ending=len(ending), prompt_tokens=chunk_tokens,
+                            step_budget=step_budget)
         if not rows:
             return None
         self._step += 1
         gone, self._gone = self._gone, []
-        return SchedulerOutput(seqs=rows, kv_copies=copies, step=self._step, finished_seq_ids=gone + ending,
-                               chained=True)
+        return self._scheduled(SchedulerOutput(seqs=rows, kv_copies=copies, step=self._step,
+                                               finished_seq_ids=gone + ending, chained=True), step_budget)
 
     def _prompts_fill(self, budget: int, ending: int) -> bool:
         """Whether the waiting requests would use up a step's prompt budget (what is left of

@@ -100,6 +100,9 @@ class Metrics(EngineObserver):
                              or [('{finished_reason="stop"}', 0)])
             lines += _metric("num_preemptions_total", "counter", "Sequences preempted to free KV memory.",
                              [("", gauges.preemptions)])
+            lines += _metric("num_catch_up_steps_total", "counter",
+                             "Engine steps that took catch_up_tokens more to drain a queue the step before passed over.",
+                             [("", gauges.catch_up_steps)])
             lines += _metric("engine_step_errors_total", "counter", "Engine steps the runner failed.",
                              [("", stats.step_errors)])
             if gauges.roofline_fraction is not None:

@@ -37,13 +37,18 @@ class ServeSettings:
     api_key: str | None = _s(None, "str", "require 'Authorization: Bearer <key>' on every endpoint but /health")
     max_model_len: int | None = _s(None, "int", "context limit in tokens (default: the model's)")
     max_num_seqs: int = _s(128, "int", "sequences decoded together at most")
-    max_num_batched_tokens: int = _s(2048, "int", "tokens per engine step (decodes + prefill chunks)")
+    max_num_batched_tokens: int = _s(2048, "int", "tokens per engine step (decodes + prefill chunks; a step "
+                                     "catching up with a queue may take catch_up_tokens more)")
     max_waiting: int = _s(1024, "int", "queued requests beyond this get 503 + Retry-After")
     schedule_prompts_ahead: bool = _s(True, "bool", "CUDA: also launch engine steps that take prompts while the "
                                       "step before runs, when waiting requests fill them (more throughput under a "
                                       "queue); off: only steady decode steps go ahead")
     late_ahead: bool = _s(False, "bool", "CUDA: launch a step ahead only once the step in flight nears its end "
                           "(its last quarter of layers), so that requests arriving meanwhile join it")
+    catch_up_tokens: int | None = _s(None, "int", "prompt tokens an engine step may take beyond "
+                                     "max_num_batched_tokens while a short queue waits that the last step passed "
+                                     "over (so a burst drains instead of delaying every later request); default: "
+                                     "half of max_num_batched_tokens; 0: off")
     kv_cache_gib: float | None = _s(None, "float", "KV cache size in GiB (default: GPU: from "
                                     "gpu_memory_utilization; CPU: cpu_kv_cache_gib)")
     kv_cache_dtype: str = _s("auto", "str", "KV cache element: auto (the model's 16-bit type) or fp8 (e4m3, "
@@ -104,7 +109,8 @@ class ServeSettings:
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_model_len=self.max_model_len, max_waiting=self.max_waiting,
-                                      prompts_ahead=self.schedule_prompts_ahead, late_ahead=self.late_ahead),
+                                      prompts_ahead=self.schedule_prompts_ahead, late_ahead=self.late_ahead,
+                                      catch_up_tokens=self.catch_up_tokens),
         )
 
 

@@ -54,9 +54,10 @@ class FakeRunner:
 
 
 def make_scheduler(num_slots=4096, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024,
-                   max_waiting=100, initial_decode_slots=16, block_size=16, prompts_ahead=False):
+                   max_waiting=100, initial_decode_slots=16, block_size=16, prompts_ahead=False, catch_up_tokens=None):
     cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                          max_model_len=max_model_len, max_waiting=max_waiting, prompts_ahead=prompts_ahead)
+                          max_model_len=max_model_len, max_waiting=max_waiting, prompts_ahead=prompts_ahead,
+                          catch_up_tokens=catch_up_tokens)
     kv = KVCache(num_slots, block_size)
     return Scheduler(cfg, kv, max_model_len, initial_decode_slots, (EOS,)), FakeRunner(kv.num_slots)
 
@@ -450,6 +451,45 @@ def test_a_queue_makes_progress_when_the_budget_is_max_num_seqs():
     run_to_completion(s, runner)
     for r in requests:
         assert r.seqs[0].output_token_ids == reference_output(r)
+
+
+@pytest.mark.parametrize("catch_up_tokens", [None, 0])
+def test_a_short_queue_passed_over_by_a_step_gets_the_catch_up_budget(catch_up_tokens):
+    """A step may take catch_up_tokens more (half the budget by default) while the queue's
+    first request was queued before the last step and still waits, and the queue is short
+    (<= max_num_seqs / 4): a burst left waiting drains, instead of every later request
+    waiting as long. A request queued since the last step, or a longer queue, gets the plain
+    budget; catch_up_tokens=0 turns it off."""
+
+    def steps(prompts: list[int]) -> tuple[list[int], int]:
+        s, runner = make_scheduler(max_num_seqs=8, max_num_batched_tokens=64, catch_up_tokens=catch_up_tokens)
+        decoders = make_requests([8] * 6, max_tokens=40, prefix="d")
+        queued = make_requests(prompts, max_tokens=3, prefix="q")
+        for r in decoders:
+            add(s, r)
+        out = s.schedule()  # the 6 prompts whole; they decode from now on
+        s.update(out, runner.execute(out))
+        for r in queued:
+            add(s, r)
+        sizes = []
+        for _ in range(2):
+            out = s.schedule()
+            sizes.append(sum(r.num_tokens for r in out.seqs))
+            s.update(out, runner.execute(out))
+        caught_up = s.num_catch_up_steps
+        run_to_completion(s, runner)
+        for r in decoders + queued:
+            assert r.seqs[0].output_token_ids == reference_output(r)
+        return sizes, caught_up
+
+    assert SchedulerConfig(max_num_batched_tokens=64, catch_up_tokens=catch_up_tokens).max_step_tokens == (
+        64 if catch_up_tokens == 0 else 96)
+    # two 60-token prompts: the first gets the room of a plain step (64 less a row for each of the
+    # 8 that will decode), the second is passed over; the next step takes 6 decodes, the first's
+    # last 4 tokens and all 60 of the second's (96 less 8 rows), or 52 of them without catching up
+    assert steps([60, 60]) == (([62, 70], 1) if catch_up_tokens is None else ([62, 62], 0))
+    # four: three are passed over, a longer queue than 8 / 4: plain steps
+    assert steps([60] * 4) == ([62, 62], 0)
 
 
 def test_schedule_ahead_rows():

@@ -310,7 +310,8 @@ def test_metrics_exposition(client):
     for name in ("cuserve_num_requests_running", "cuserve_num_requests_waiting", "cuserve_kv_cache_usage_perc",
                  "cuserve_prompt_tokens_total", "cuserve_generation_tokens_total",
                  "cuserve_time_to_first_token_seconds_bucket", "cuserve_inter_token_latency_seconds_count",
-                 "cuserve_e2e_request_latency_seconds_sum", "cuserve_request_queue_time_seconds_count"):
+                 "cuserve_e2e_request_latency_seconds_sum", "cuserve_request_queue_time_seconds_count",
+                 "cuserve_num_preemptions_total", "cuserve_num_catch_up_steps_total"):
         assert name in text, name
     assert metric(client, "cuserve_generation_tokens_total") >= 3
     assert metric(client, "cuserve_time_to_first_token_seconds_count") >= 1

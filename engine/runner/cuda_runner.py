@@ -439,7 +439,7 @@ class CudaRunner:
         sched = config.scheduler
         self.max_model_len = sched.model_len(cfg)
         self.rows = bucket_for(sched.max_num_seqs)  # decode rows, a bucket
-        self.max_tokens = max(sched.max_num_batched_tokens, self.rows)
+        self.max_tokens = max(sched.max_step_tokens, self.rows)
         # flash-decode split plan per graph bucket
         self.splits: dict[int, SplitPlan] = {}
         for bucket in BUCKETS:
