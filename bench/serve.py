@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import statistics
@@ -153,16 +154,33 @@ async def http_part(args, part: int) -> tuple[str, list[Result], float, float]:
     P = args.processes
     prompts = make_prompts(args)[part::P]
     concurrency = args.concurrency // P + (part < args.concurrency % P)
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    async with httpx.AsyncClient(base_url=args.url, timeout=None, limits=limits, headers=headers) as client:
-        model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
-        await one_request(client, model, prompts[0][:16], 4)  # warm-up
+    # a client (one keep-alive connection) for each request in flight: httpx's pool scans
+    # all of its connections, with two system calls each, whenever a request starts or
+    # ends, so one pool for all of them costs O(concurrency) a request and delays the
+    # successors of requests that finish together
+    one = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+    async with contextlib.AsyncExitStack() as stack:
+        clients = asyncio.Queue()
+        for _ in range(max(concurrency, 1)):
+            clients.put_nowait(await stack.enter_async_context(
+                httpx.AsyncClient(base_url=args.url, timeout=None, limits=one, headers=headers)))
+
+        async def send(prompt: list[int], n: int) -> Result:
+            client = clients.get_nowait()  # closed_loop runs at most `concurrency` at once
+            try:
+                return await one_request(client, model, prompt, n)
+            finally:
+                clients.put_nowait(client)
+
+        first = clients.get_nowait()
+        model = args.model or (await first.get("/v1/models")).json()["data"][0]["id"]
+        clients.put_nowait(first)
+        await send(prompts[0][:16], 4)  # warm-up
         if args.start_at:  # every process starts its load at the same moment
             await asyncio.sleep(max(0.0, args.start_at - time.time()))
         results, start, end = await closed_loop(prompts, concurrency, args.request_rate / P, args.seed + 1 + part,
-                                                args.output_len,
-                                                lambda prompt, n: one_request(client, model, prompt, n))
+                                                args.output_len, send)
     return model, results, start, end
 
 
