@@ -15,7 +15,18 @@
 // the float8 product it feeds (out may then be null: the codes only); else q and q_scale
 // are unused. One block per row; a thread
 // takes 8 values at a time (16- or 32-byte loads), all of its groups' loads at once.
-extern "C" __global__ void silu_mul(const prod_t *__restrict__ gate_up, scalar_t *__restrict__ out, int inter,
+// -DSILU_MIN_BLOCKS=n (with -DSILU_BLOCK, the launch's threads): registers capped so that n
+// blocks fit an SM; 0 (default): no cap
+#ifndef SILU_MIN_BLOCKS
+#define SILU_MIN_BLOCKS 0
+#endif
+#if SILU_MIN_BLOCKS
+#define SILU_BOUNDS __launch_bounds__(SILU_BLOCK, SILU_MIN_BLOCKS)
+#else
+#define SILU_BOUNDS
+#endif
+
+extern "C" __global__ void SILU_BOUNDS silu_mul(const prod_t *__restrict__ gate_up, scalar_t *__restrict__ out, int inter,
                                     const float *__restrict__ rs, const float *__restrict__ cs,
                                     unsigned char *__restrict__ q, float *__restrict__ q_scale) {
     PDL_ENTER();

@@ -13,6 +13,11 @@ from ._module import (check, check_scalar, i32, launch, module, prod_kind, quant
 # follows. H200, 2,048 rows of Llama-3-8B's 14,336: 256 threads (7 groups a thread) 54 us against
 # 78 us with 1,024 (2 a thread) for the float8 path's codes, 46 vs 58 us for a 16-bit output
 SILU_THREADS = 256
+# such blocks an SM must hold at least (activation.cu's -DSILU_MIN_BLOCKS: registers capped at 85
+# a thread, 88 uncapped for the e4m3 codes, which fit two): H200, the float8 path's codes, bf16
+# raw sums with their scales, 2,048 x 14,336: 68.0 -> 58.7 us; 1,024 rows 36.6 -> 32.1 us; four
+# (64 registers) spill and are no faster. Same bits. Up to 7 groups a thread (8 spill a little).
+SILU_MIN_BLOCKS = 3
 
 
 def _shape(rows: int, inter: int) -> tuple[int, int]:
@@ -41,8 +46,10 @@ def silu_mul(gate_up: cp.ndarray, out: cp.ndarray | None = None, out_dtype=np.fl
     quant_out, q_args = quant_out_args(quant, T, inter)
     if T:
         threads, vec = _shape(T, inter)
+        bounds = ({"SILU_BLOCK": threads, "SILU_MIN_BLOCKS": SILU_MIN_BLOCKS}
+                  if threads == SILU_THREADS and vec <= 7 else {})  # 8 groups a thread would spill
         launch(module("activation", USE_BF16=use_bf16(out), PROD=prod, QUANT_OUT=quant_out,
-                      SILU_VEC=vec).get_function("silu_mul"), (T,), (threads,),
+                      SILU_VEC=vec, **bounds).get_function("silu_mul"), (T,), (threads,),
                (gate_up, quant_out_target(out, quant, codes_only), i32(inter),
                 *scale_args(scales, T, 2 * inter), *q_args), pdl=pdl)
     return out
