@@ -101,7 +101,7 @@ class Metrics(EngineObserver):
             lines += _metric("num_preemptions_total", "counter", "Sequences preempted to free KV memory.",
                              [("", gauges.preemptions)])
             lines += _metric("num_catch_up_steps_total", "counter",
-                             "Engine steps that took catch_up_tokens more to drain a queue the step before passed over.",
+                             "Engine steps that took catch_up_tokens more to drain a queue that steps passed over.",
                              [("", gauges.catch_up_steps)])
             lines += _metric("engine_step_errors_total", "counter", "Engine steps the runner failed.",
                              [("", stats.step_errors)])

@@ -46,9 +46,9 @@ class ServeSettings:
     late_ahead: bool = _s(False, "bool", "CUDA: launch a step ahead only once the step in flight nears its end "
                           "(its last quarter of layers), so that requests arriving meanwhile join it")
     catch_up_tokens: int | None = _s(None, "int", "prompt tokens an engine step may take beyond "
-                                     "max_num_batched_tokens while a short queue waits that the last step passed "
-                                     "over (so a burst drains instead of delaying every later request); default: "
-                                     "half of max_num_batched_tokens; 0: off")
+                                     "max_num_batched_tokens while a short queue waits that two steps passed over "
+                                     "(so a burst drains instead of delaying every later request); default: half of "
+                                     "max_num_batched_tokens; 0: off")
     kv_cache_gib: float | None = _s(None, "float", "KV cache size in GiB (default: GPU: from "
                                     "gpu_memory_utilization; CPU: cpu_kv_cache_gib)")
     kv_cache_dtype: str = _s("auto", "str", "KV cache element: auto (the model's 16-bit type) or fp8 (e4m3, "

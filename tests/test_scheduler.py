@@ -454,12 +454,13 @@ def test_a_queue_makes_progress_when_the_budget_is_max_num_seqs():
 
 
 @pytest.mark.parametrize("catch_up_tokens", [None, 0])
-def test_a_short_queue_passed_over_by_a_step_gets_the_catch_up_budget(catch_up_tokens):
+def test_a_short_queue_passed_over_by_two_steps_gets_the_catch_up_budget(catch_up_tokens):
     """A step may take catch_up_tokens more (half the budget by default) while the queue's
-    first request was queued before the last step and still waits, and the queue is short
-    (<= max_num_seqs / 4): a burst left waiting drains, instead of every later request
-    waiting as long. A request queued since the last step, or a longer queue, gets the plain
-    budget; catch_up_tokens=0 turns it off."""
+    first request has waited through two steps, and the queue is short (<= max_num_seqs / 4):
+    a burst left waiting at full load drains, instead of every later request waiting as
+    long. Passed over once, or in a longer queue, a request gets the plain budget (at lower
+    loads the next step drains it anyway, and a longer step would only delay the others);
+    catch_up_tokens=0 turns it off."""
 
     def steps(prompts: list[int]) -> tuple[list[int], int]:
         s, runner = make_scheduler(max_num_seqs=8, max_num_batched_tokens=64, catch_up_tokens=catch_up_tokens)
@@ -472,7 +473,7 @@ def test_a_short_queue_passed_over_by_a_step_gets_the_catch_up_budget(catch_up_t
         for r in queued:
             add(s, r)
         sizes = []
-        for _ in range(2):
+        for _ in range(3):
             out = s.schedule()
             sizes.append(sum(r.num_tokens for r in out.seqs))
             s.update(out, runner.execute(out))
@@ -484,12 +485,13 @@ def test_a_short_queue_passed_over_by_a_step_gets_the_catch_up_budget(catch_up_t
 
     assert SchedulerConfig(max_num_batched_tokens=64, catch_up_tokens=catch_up_tokens).max_step_tokens == (
         64 if catch_up_tokens == 0 else 96)
-    # two 60-token prompts: the first gets the room of a plain step (64 less a row for each of the
-    # 8 that will decode), the second is passed over; the next step takes 6 decodes, the first's
-    # last 4 tokens and all 60 of the second's (96 less 8 rows), or 52 of them without catching up
-    assert steps([60, 60]) == (([62, 70], 1) if catch_up_tokens is None else ([62, 62], 0))
-    # four: three are passed over, a longer queue than 8 / 4: plain steps
-    assert steps([60] * 4) == ([62, 62], 0)
+    # a 120-token prompt and a 60-token one: the first gets the room of a plain step (64 less a
+    # row for each of the 8 that will decode), then all of the next step after the 6 decodes;
+    # the second, passed over twice, then comes in whole in a step of 96 (6 decodes, the first's
+    # last 6 tokens, its 60), or 50 of it in a plain step
+    assert steps([120, 60]) == (([62, 64, 72], 1) if catch_up_tokens is None else ([62, 64, 62], 0))
+    # three more behind the long one: a longer queue than 8 / 4, plain steps
+    assert steps([120, 60, 60, 60]) == ([62, 64, 62], 0)
 
 
 def test_schedule_ahead_rows():
