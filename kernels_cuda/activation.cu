@@ -26,9 +26,9 @@
 #define SILU_BOUNDS
 #endif
 
-extern "C" __global__ void SILU_BOUNDS silu_mul(const prod_t *__restrict__ gate_up, scalar_t *__restrict__ out, int inter,
-                                    const float *__restrict__ rs, const float *__restrict__ cs,
-                                    unsigned char *__restrict__ q, float *__restrict__ q_scale) {
+extern "C" __global__ void SILU_BOUNDS silu_mul(const prod_t *__restrict__ gate_up, scalar_t *__restrict__ out,
+                                                int inter, const float *__restrict__ rs, const float *__restrict__ cs,
+                                                unsigned char *__restrict__ q, float *__restrict__ q_scale) {
     PDL_ENTER();
     const long long t = blockIdx.x;
     const prod_t *g = gate_up + t * 2 * inter;

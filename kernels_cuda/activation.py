@@ -13,7 +13,7 @@ from ._module import (check, check_scalar, i32, launch, module, prod_kind, quant
 # follows. H200, 2,048 rows of Llama-3-8B's 14,336: 256 threads (7 groups a thread) 54 us against
 # 78 us with 1,024 (2 a thread) for the float8 path's codes, 46 vs 58 us for a 16-bit output
 SILU_THREADS = 256
-# such blocks an SM must hold at least (activation.cu's -DSILU_MIN_BLOCKS: registers capped at 85
+# such blocks an SM must hold at least (activation.cu's -DSILU_MIN_BLOCKS: registers capped at 80
 # a thread, 88 uncapped for the e4m3 codes, which fit two): H200, the float8 path's codes, bf16
 # raw sums with their scales, 2,048 x 14,336: 68.0 -> 58.7 us; 1,024 rows 36.6 -> 32.1 us; four
 # (64 registers) spill and are no faster. Same bits. Up to 7 groups a thread (8 spill a little).
