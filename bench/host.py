@@ -138,7 +138,7 @@ def sim_config(args):
     return EngineConfig(model=args.model, device="cpu", scheduler=SchedulerConfig(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.input_len + args.output_len + 16, max_waiting=max(args.num_prompts, 1),
-        prompts_ahead=args.schedule_prompts_ahead, late_ahead=args.late_ahead, catch_up_tokens=args.catch_up_tokens))
+        **serve.scheduling_settings(args)))
 
 
 def build_engine(args, config=None):
@@ -287,12 +287,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--processes", type=int, default=None, help="HTTP client processes (bench/serve.py's)")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--schedule-prompts-ahead", action=argparse.BooleanOptionalAction, default=True,
-                        help="as the server's setting (--no-schedule-prompts-ahead: off)")
-    ap.add_argument("--late-ahead", action=argparse.BooleanOptionalAction, default=False,
-                    help="as the server's setting of that name")
-    ap.add_argument("--catch-up-tokens", type=int, default=None,
-                    help="as the server's setting (default: half the budget; 0: off)")
+    serve.add_scheduling_flags(ap)
     ap.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                     help="as the server's setting: the HTTP run's engine in a process of its own (default)")
     ap.add_argument("--sim-step-ms", type=float, default=1.0, help="cost model: ms a step")

@@ -323,8 +323,7 @@ async def run_engine(args) -> list[dict]:
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_waiting=max(args.num_prompts, 1),
                                   max_num_batched_tokens=max(args.budgets),
                                   max_model_len=args.input_len + args.output_len + 16,
-                                  prompts_ahead=args.schedule_prompts_ahead,
-                                  late_ahead=args.late_ahead, catch_up_tokens=args.catch_up_tokens))
+                                  **scheduling_settings(args)))
     engine = EngineProcess(config) if args.engine_process else Engine(config)
     args.vocab = min(args.vocab, engine.model_config.vocab_size)
     prompts = make_prompts(args)
@@ -374,6 +373,23 @@ def summarize(args, model: str, results: list[Result], duration: float) -> dict:
     return summary
 
 
+def add_scheduling_flags(ap) -> None:
+    """The server's scheduling settings, for a run that builds its own engine (--engine here,
+    bench/host.py)."""
+    ap.add_argument("--schedule-prompts-ahead", action=argparse.BooleanOptionalAction, default=True,
+                    help="as the server's setting (--no-schedule-prompts-ahead: off)")
+    ap.add_argument("--late-ahead", action=argparse.BooleanOptionalAction, default=False,
+                    help="as the server's setting of that name")
+    ap.add_argument("--catch-up-tokens", type=int, default=None,
+                    help="as the server's setting (default: half the budget; 0: off)")
+
+
+def scheduling_settings(args) -> dict:
+    """SchedulerConfig's fields from add_scheduling_flags' flags."""
+    return {"prompts_ahead": args.schedule_prompts_ahead, "late_ahead": args.late_ahead,
+            "catch_up_tokens": args.catch_up_tokens}
+
+
 def default_processes(concurrency: int) -> int:
     """HTTP client processes for a load: one per 64 streams."""
     return max(1, min(concurrency, (concurrency + 63) // 64))
@@ -408,12 +424,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     engine.add_argument("--max-num-seqs", type=int, default=256)
     engine.add_argument("--max-num-batched-tokens", default="8192",
                         help="token budget per step; a comma-separated list runs the load once per budget")
-    engine.add_argument("--schedule-prompts-ahead", action=argparse.BooleanOptionalAction, default=True,
-                        help="as the server's setting (--no-schedule-prompts-ahead: off)")
-    engine.add_argument("--late-ahead", action=argparse.BooleanOptionalAction, default=False,
-                        help="as the server's setting of that name")
-    engine.add_argument("--catch-up-tokens", type=int, default=None,
-                        help="as the server's setting (default: half the budget; 0: off)")
+    add_scheduling_flags(engine)
     engine.add_argument("--engine-process", action="store_true",
                         help="the engine in a process of its own, as the server runs it (this process then "
                              "only sends the requests and reads the outputs, as an HTTP client would); default: "
