@@ -1,4 +1,4 @@
-"""Embedding gather into the float32 residual stream (embedding.cu)."""
+"""Embedding gather into the residual stream (embedding.cu): float32, or the table's 16 bits."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from ._module import check, i32, launch, module, ptr_or_null, use_bf16
 
 def embedding(ids: cp.ndarray, table: cp.ndarray, out: cp.ndarray | None = None, pdl: bool = False,
               src: cp.ndarray | None = None, sampled: cp.ndarray | None = None) -> cp.ndarray:
-    """out (T, hidden) float32 = table[ids]; ids (T,) int32, table (vocab, hidden) 16-bit.
-    With src (T,) int32 and sampled int32: token t is sampled[src[t]] where src[t] >= 0."""
+    """out (T, hidden) float32 (or the table's 16-bit type: the rows as they are) = table[ids];
+    ids (T,) int32, table (vocab, hidden) 16-bit. With src (T,) int32 and sampled int32: token
+    t is sampled[src[t]] where src[t] >= 0."""
     check(ids, "ids", np.int32)
     if table.ndim != 2:
         raise ValueError(f"table: expected (vocab, hidden), got {table.shape}")
@@ -23,9 +24,10 @@ def embedding(ids: cp.ndarray, table: cp.ndarray, out: cp.ndarray | None = None,
         check(sampled, "sampled", np.int32)
     if out is None:
         out = cp.empty((T, hidden), np.float32)
-    check(out, "out", np.float32, (T, hidden))
+    check(out, "out", np.float32 if out.dtype == np.float32 else table.dtype, (T, hidden))
     if T:
-        launch(module("embedding", USE_BF16=use_bf16(table)).get_function("embedding"),
+        mod = module("embedding", USE_BF16=use_bf16(table), RES16=int(out.dtype != np.float32))
+        launch(mod.get_function("embedding"),
                (T,), (min(1024, hidden),), (ids, ptr_or_null(src), ptr_or_null(sampled), table, out, i32(hidden)),
                pdl=pdl)
     return out

@@ -1,6 +1,6 @@
 // RMSNorm, and the fused residual add + RMSNorm of the decoder layers.
-// One block per row; the residual stream is float32, the normed output 16-bit
-// (it feeds a matrix product), the norm weights float32.
+// One block per row; the residual stream is float32 (or 16-bit: -DRES16), the normed output
+// 16-bit (it feeds a matrix product), the norm weights float32.
 //
 // A decode step runs two of these per layer on one row each, so they are written for
 // latency: every thread loads its first NORM_VEC float4 of the row (and of the delta) at
@@ -19,12 +19,68 @@
 #define NORM_AHEAD 0
 #endif
 
+// -DRES16=1: the residual stream in the 16-bit type (scalar_t), as rmsnorm.py's residual16 says
+// when: each sum is rounded to 16 bits before it is normed, so this step's norm and the next
+// read the same values
+#ifndef RES16
+#define RES16 0
+#endif
+#if RES16
+typedef scalar_t res_t;
+#else
+typedef float res_t;
+#endif
+
+// four residual values at r[4 i .. 4 i + 3], and back
+__device__ __forceinline__ float4 load_res4(const res_t *r, int i) {
+#if RES16
+    const uint2 u = reinterpret_cast<const uint2 *>(r)[i];
+    const float2 a = to_float2(*reinterpret_cast<const scalar2_t *>(&u.x));
+    const float2 b = to_float2(*reinterpret_cast<const scalar2_t *>(&u.y));
+    return make_float4(a.x, a.y, b.x, b.y);
+#else
+    return reinterpret_cast<const float4 *>(r)[i];
+#endif
+}
+
+// stores v at r[4 i ..] and returns what the residual now holds (v rounded, for RES16)
+__device__ __forceinline__ float4 store_res4(res_t *r, int i, float4 v) {
+#if RES16
+    const scalar2_t lo = from_float2(v.x, v.y), hi = from_float2(v.z, v.w);
+    uint2 u;
+    u.x = *reinterpret_cast<const unsigned *>(&lo);
+    u.y = *reinterpret_cast<const unsigned *>(&hi);
+    reinterpret_cast<uint2 *>(r)[i] = u;
+    const float2 a = to_float2(lo), b = to_float2(hi);
+    return make_float4(a.x, a.y, b.x, b.y);
+#else
+    reinterpret_cast<float4 *>(r)[i] = v;
+    return v;
+#endif
+}
+
+__device__ __forceinline__ float res_to_float(res_t x) {
+#if RES16
+    return to_float(x);
+#else
+    return x;
+#endif
+}
+
+__device__ __forceinline__ res_t res_from_float(float x) {
+#if RES16
+    return from_float(x);
+#else
+    return x;
+#endif
+}
+
 // residual += delta (+ bias) when delta is not null; out = rms_norm(residual) * w. The delta
 // is a matrix product's output (-DPROD, common.cuh: float32, or 16 bits in steps of many
 // rows); from a float8 product it is scaled first: by rsv (the token's scale) and cs (per
 // feature), when cs is not null. -DQUANT_OUT=1: out also as e4m3 codes q and its scale
 // (common.cuh), from the values in registers; out may then be null (the codes only).
-__device__ __forceinline__ void norm_row(float *__restrict__ r, const prod_t *__restrict__ d,
+__device__ __forceinline__ void norm_row(res_t *__restrict__ r, const prod_t *__restrict__ d,
                                          const float *__restrict__ bias, const float *__restrict__ w,
                                          scalar_t *__restrict__ out, int hidden, float eps, float rsv,
                                          const float *__restrict__ cs, unsigned char *__restrict__ q,
@@ -33,7 +89,7 @@ __device__ __forceinline__ void norm_row(float *__restrict__ r, const prod_t *__
     const int n4 = hidden % 4 == 0 ? min(hidden / 4, NORM_VEC * (int)blockDim.x) : 0;
     float4 v[NORM_VEC], g[NORM_VEC], dl[NORM_VEC];  // g: the weights, loaded with the row (not after the sum)
     auto load = [&](int u, int i) {
-        v[u] = reinterpret_cast<const float4 *>(r)[i];
+        v[u] = load_res4(r, i);
         g[u] = reinterpret_cast<const float4 *>(w)[i];
         if (d == nullptr) return;
         if constexpr (PROD == 0) {
@@ -64,18 +120,18 @@ __device__ __forceinline__ void norm_row(float *__restrict__ r, const prod_t *__
                 e = make_float4(e.x * rsv * f.x, e.y * rsv * f.y, e.z * rsv * f.z, e.w * rsv * f.w);
             }
             const float4 b = bias != nullptr ? reinterpret_cast<const float4 *>(bias)[i] : make_float4(0, 0, 0, 0);
-            v[u] = add_delta(v[u], e, b);
-            reinterpret_cast<float4 *>(r)[i] = v[u];
+            v[u] = store_res4(r, i, add_delta(v[u], e, b));
         }
         ss += sq4(v[u]);
     }
     for (int i = 4 * n4 + threadIdx.x; i < hidden; i += blockDim.x) {
-        float x = r[i];
+        float x = res_to_float(r[i]);
         if (d != nullptr) {
             float e = prod_to_float(d[i]);
             for (int p = 1; p < parts; p++) e += prod_to_float(d[p * d_stride + i]);
             x += (cs != nullptr ? e * rsv * cs[i] : e) + (bias != nullptr ? bias[i] : 0.0f);
-            r[i] = x;
+            r[i] = res_from_float(x);
+            x = res_to_float(r[i]);
         }
         ss += x * x;
     }
@@ -96,7 +152,7 @@ __device__ __forceinline__ void norm_row(float *__restrict__ r, const prod_t *__
         }
     }
     for (int i = 4 * n4 + threadIdx.x; i < hidden; i += blockDim.x) {
-        const scalar_t v = from_float(r[i] * inv * w[i]);
+        const scalar_t v = from_float(res_to_float(r[i]) * inv * w[i]);
         if (out != nullptr) out[i] = v;
         m = fmaxf(m, fabsf(to_float(v)));
     }
@@ -110,7 +166,7 @@ __device__ __forceinline__ void norm_row(float *__restrict__ r, const prod_t *__
         reinterpret_cast<unsigned *>(q)[i] = fp8x4(f, qinv);
     }
     for (int i = 4 * n4 + threadIdx.x; i < hidden; i += blockDim.x)  // the value above, again
-        q[i] = fp8_from_float(to_float(from_float(r[i] * inv * w[i])) * qinv);
+        q[i] = fp8_from_float(to_float(from_float(res_to_float(r[i]) * inv * w[i])) * qinv);
 #endif
 }
 
@@ -119,12 +175,12 @@ __device__ __forceinline__ void norm_row(float *__restrict__ r, const prod_t *__
 // (null).
 
 // out = x / sqrt(mean(x^2) + eps) * w
-extern "C" __global__ void rms_norm(const float *__restrict__ x, const float *__restrict__ w,
+extern "C" __global__ void rms_norm(const res_t *__restrict__ x, const float *__restrict__ w,
                                     scalar_t *__restrict__ out, int hidden, float eps,
                                     unsigned char *__restrict__ q, float *__restrict__ q_scale) {
     PDL_ENTER();
     const long long row = blockIdx.x;
-    norm_row(const_cast<float *>(x) + row * hidden, nullptr, nullptr, w, out ? out + row * hidden : out, hidden, eps,
+    norm_row(const_cast<res_t *>(x) + row * hidden, nullptr, nullptr, w, out ? out + row * hidden : out, hidden, eps,
              1.0f, nullptr, q + row * hidden, q_scale + row);
 }
 
@@ -132,7 +188,7 @@ extern "C" __global__ void rms_norm(const float *__restrict__ x, const float *__
 // scales of a float8 product's delta (common.cuh's dequant), or null. A float32 delta may
 // come in `parts` parts d_stride floats apart (attn_block.cu's o product), added in order
 // first.
-extern "C" __global__ void add_rms_norm(float *__restrict__ residual, const prod_t *__restrict__ delta,
+extern "C" __global__ void add_rms_norm(res_t *__restrict__ residual, const prod_t *__restrict__ delta,
                                         const float *__restrict__ bias, const float *__restrict__ w,
                                         scalar_t *__restrict__ out, int hidden, float eps,
                                         const float *__restrict__ rs, const float *__restrict__ cs,

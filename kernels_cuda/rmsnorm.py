@@ -43,23 +43,33 @@ def _out(out, rows, hidden, dtype):
     return out
 
 
+def _res16(residual: cp.ndarray, out: cp.ndarray, name: str) -> int:
+    """-DRES16 of a residual stream: 0 for float32, 1 for 16 bits of out's type (rmsnorm.cu)."""
+    if residual.dtype == np.float32:
+        check(residual, name, np.float32)
+        return 0
+    check(residual, name, out.dtype)
+    return 1
+
+
 def rms_norm(x: cp.ndarray, weight: cp.ndarray, eps: float, out: cp.ndarray | None = None,
              out_dtype=np.float16, pdl: bool = False, quant: tuple | None = None,
              codes_only: bool = False) -> cp.ndarray:
-    """out (rows, hidden) 16-bit = x / rms(x) * weight; x float32, weight float32. quant:
+    """out (rows, hidden) 16-bit = x / rms(x) * weight; x float32 (or 16-bit, of out's
+    type: a residual stream kept in 16 bits, see add_rms_norm), weight float32. quant:
     (codes, scales) to write out's rows as e4m3 into too (_module.quant_out_args); with
     codes_only, into them alone (out is left as it was)."""
     if x.ndim != 2:
         raise ValueError(f"x: expected (rows, hidden), got {x.shape}")
     rows, hidden = x.shape
-    check(x, "x", np.float32)
     check(weight, "weight", np.float32, (hidden,))
     out = _out(out, rows, hidden, out_dtype)
+    res16 = _res16(x, out, "x")
     quant_out, q_args = quant_out_args(quant, rows, hidden)
     if rows:
         threads, vec, ahead = _shape(rows, hidden)
         launch(module("rmsnorm", USE_BF16=use_bf16(out), QUANT_OUT=quant_out, NORM_VEC=vec,
-                      NORM_AHEAD=ahead).get_function("rms_norm"),
+                      NORM_AHEAD=ahead, RES16=res16).get_function("rms_norm"),
                (rows,), (threads,),
                (x, weight, quant_out_target(out, quant, codes_only), i32(hidden), f32(eps), *q_args), pdl=pdl)
     return out
@@ -74,22 +84,24 @@ def add_rms_norm(residual: cp.ndarray, delta: cp.ndarray, weight: cp.ndarray, ep
     cuBLAS / cuBLASLt write it in steps of many rows); scales: delta is a float8 product's raw
     sums; (per token, per feature) scales (_module.scale_args). quant, codes_only: as
     rms_norm's. A float32 delta may also be (P, rows, hidden), a view whose parts lie apart
-    (each part's rows contiguous): the parts are added in order first."""
+    (each part's rows contiguous): the parts are added in order first. The residual stream is
+    float32, or 16 bits of out's type: each sum is then rounded to 16 bits before it is normed
+    (as a 16-bit model adds its residual stream; the runner's steps of many rows in bfloat16)."""
     if residual.ndim != 2:
         raise ValueError(f"residual: expected (rows, hidden), got {residual.shape}")
     rows, hidden = residual.shape
-    check(residual, "residual", np.float32)
     prod = prod_kind(delta, "delta")
     parts, stride = delta_parts(delta, rows, hidden, "delta", delta.dtype)
     check(weight, "weight", np.float32, (hidden,))
     if bias is not None:
         check(bias, "bias", np.float32, (hidden,))
     out = _out(out, rows, hidden, out_dtype)
+    res16 = _res16(residual, out, "residual")
     quant_out, q_args = quant_out_args(quant, rows, hidden)
     if rows:
         threads, vec, ahead = _shape(rows, hidden)
         launch(module("rmsnorm", USE_BF16=use_bf16(out), QUANT_OUT=quant_out, NORM_VEC=vec, NORM_AHEAD=ahead,
-                      PROD=prod).get_function("add_rms_norm"), (rows,), (threads,),
+                      PROD=prod, RES16=res16).get_function("add_rms_norm"), (rows,), (threads,),
                (residual, delta, ptr_or_null(bias), weight, quant_out_target(out, quant, codes_only), i32(hidden),
                 f32(eps), *scale_args(scales, rows, hidden), *q_args, i64(stride), i32(parts)), pdl=pdl)
     return out

@@ -30,7 +30,9 @@ VARIANTS = {"flash_decode": [{"HEAD_DIM": 64, "GROUP": 3}, {"HEAD_DIM": 128, "GR
                      {"HEAD_DIM": 128, "PROD": 2, "KV_FP8": 1}, {"HEAD_DIM": 36, "PROD": 2, "KV_FP8": 1}],
             "activation": [{}, {"PROD": 1}, {"PROD": 2}, {"PROD": 2, "QUANT_OUT": 1, "SILU_VEC": 7}],  # common.cuh
             "rmsnorm": [{}, {"QUANT_OUT": 1}, {"QUANT_OUT": 1, "NORM_VEC": 8}, {"QUANT_OUT": 1, "NORM_AHEAD": 1},
-                        {"PROD": 1}, {"PROD": 2, "QUANT_OUT": 1, "NORM_AHEAD": 1}],
+                        {"PROD": 1}, {"PROD": 2, "QUANT_OUT": 1, "NORM_AHEAD": 1},
+                        {"PROD": 2, "QUANT_OUT": 1, "NORM_AHEAD": 1, "RES16": 1}, {"RES16": 1}],
+            "embedding": [{}, {"RES16": 1}],
             "gemv": [{}, {"HEAD_DIM": 64, "KV_FP8": 1}, {"DEPTH": 4}, {"W_FP8": 1}, {"W_FP8": 1, "DEPTH": 4},
                      {"PRELOAD": 1}, {"PRELOAD": 1, "W_FP8": 1}, {"NORM_IN": 1, "HEAD_DIM": 64},
                      {"NORM_IN": 1, "W_FP8": 1, "PRELOAD": 1}, {"STAGED": 1, "DEPTH": 4, "MIN_BLOCKS": 4},

@@ -97,6 +97,10 @@ def test_embedding(dtype):
     out = embedding(cp.asarray(ids), to_dev(table, dtype), src=cp.asarray(src), sampled=cp.asarray(sampled))
     expect = np.where(src >= 0, sampled[np.maximum(src, 0)], ids)
     np.testing.assert_array_equal(cp.asnumpy(out), rounded(table, dtype)[expect])
+    # into a 16-bit residual stream: the table's rows as they are
+    table16 = to_dev(table, dtype)
+    out = embedding(cp.asarray(ids), table16, out=cp.zeros((13, 40), table16.dtype))
+    np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(table16)[ids])
 
 
 def test_sampling_writes_the_host_and_logprobs_of_its_tokens():
@@ -158,6 +162,44 @@ def test_rms_norm_and_fused_add(dtype, hidden, rows):
     out = add_rms_norm(res, cp.asarray(d), cp.asarray(w), 1e-5, bias=cp.asarray(bias), out_dtype=odt)
     np.testing.assert_allclose(cp.asnumpy(res), x + d + bias, rtol=1e-6, atol=1e-6)
     assert rel(from_dev(out), ref(x + d + bias)) < tol(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [1000, 1002, 4104])  # float4 in registers; the plain loop only; five a thread
+@pytest.mark.parametrize("rows", [7, 1100])  # one group a thread; smaller blocks with the loads ahead
+@pytest.mark.parametrize("fp8", [False, True], ids=["", "fp8"])  # a float8 product's bfloat16 delta, codes out
+def test_residual_stream_in_16_bits(dtype, hidden, rows, fp8):
+    """A 16-bit residual stream (the runner's steps of many rows in bfloat16 models) holds the
+    float32 sums rounded to 16 bits, and the norm is of those rounded values: the bits of the
+    float32 kernels run on the same values, rounded between them."""
+    from kernels_cuda.rmsnorm import add_rms_norm, rms_norm
+    x = rng.standard_normal((rows, hidden)).astype(np.float32) * 4
+    d = to_dev(rng.standard_normal((rows, hidden)).astype(np.float32) * 50, "bfloat16") if fp8 else \
+        cp.asarray(rng.standard_normal((rows, hidden)).astype(np.float32))
+    w = cp.asarray(rng.standard_normal(hidden).astype(np.float32))
+    bias = cp.asarray(rng.standard_normal(hidden).astype(np.float32))
+    scales = (cp.asarray(rng.random(rows).astype(np.float32)), cp.asarray(rng.random(hidden).astype(np.float32)))
+    odt = np.uint16 if dtype == "bfloat16" else np.float16
+    quant = fp8 and hidden % 8 == 0
+
+    def codes():
+        return (cp.zeros((rows, hidden), np.uint8), cp.zeros(rows, np.float32)) if quant else None
+
+    res16 = to_dev(x, dtype)
+    res32 = cp.asarray(from_dev(res16))
+    q16, q32 = codes(), codes()
+    out16 = add_rms_norm(res16, d, w, 1e-5, bias=bias, out_dtype=odt, scales=scales if fp8 else None, quant=q16)
+    add_rms_norm(res32, d, w, 1e-5, bias=bias, out_dtype=odt, scales=scales if fp8 else None)
+    np.testing.assert_array_equal(from_dev(res16), rounded(cp.asnumpy(res32), dtype))
+    out32 = rms_norm(cp.asarray(from_dev(res16)), w, 1e-5, out_dtype=odt, quant=q32)
+    np.testing.assert_array_equal(cp.asnumpy(out16), cp.asnumpy(out32))
+    # rms_norm of a 16-bit stream: its values' bits
+    again = rms_norm(res16, w, 1e-5, out_dtype=odt, quant=codes())
+    np.testing.assert_array_equal(cp.asnumpy(again), cp.asnumpy(out32))
+    if quant:
+        for a, b in zip(q16, q32):
+            np.testing.assert_array_equal(cp.asnumpy(a), cp.asnumpy(b))
+    assert cp.asnumpy(out16).any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

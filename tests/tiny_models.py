@@ -26,8 +26,10 @@ TINY_SPECS = {
 }
 
 
-def build_tiny_model(directory: Path, name: str, seed: int = 0, config: dict | None = None, **save_kwargs) -> Path:
-    """TINY_SPECS[name] with its weights drawn from `seed`; config: further config overrides."""
+def build_tiny_model(directory: Path, name: str, seed: int = 0, config: dict | None = None, dtype: str | None = None,
+                     **save_kwargs) -> Path:
+    """TINY_SPECS[name] with its weights drawn from `seed`; config: further config overrides;
+    dtype: the torch dtype to save the weights in (float32 if None)."""
     import torch
     import transformers
 
@@ -44,7 +46,9 @@ def build_tiny_model(directory: Path, name: str, seed: int = 0, config: dict | N
         for pname, p in model.named_parameters():
             if pname.endswith("bias") or "norm" in pname:
                 p.copy_(torch.randn_like(p) * 0.5 + (1.0 if "norm" in pname else 0.0))
-    out = directory / name
+    if dtype is not None:
+        model = model.to(getattr(torch, dtype))
+    out = directory / (name if dtype is None else f"{name}_{dtype}")
     model.save_pretrained(out, **save_kwargs)
     return out
 

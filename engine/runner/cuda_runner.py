@@ -116,6 +116,13 @@ FUSE_ATTN_O = False
 # up to 16 rows or none (batch invariance), so it stays off until it wins at one row.
 FUSE_MLP = False
 
+# bfloat16 models carry the residual stream in bfloat16 (not float32) in steps of more than
+# GEMV_MAX_ROWS rows, as the model itself (and vLLM, and HF transformers) add it: add + RMSNorm
+# then reads and writes 7 bytes a value instead of 11 (residual, delta, residual, e4m3 codes).
+# Steps of fewer rows (the skinny GEMM's, whose fused norms fold the stream into their
+# products) keep float32. False: float32 everywhere, as before.
+RESIDUAL_16 = True
+
 # The roofline gauge (last_roofline_fraction, /metrics) times one decode step in this many: a
 # step's pair of timing events costs ~3 us of device time (H200, SmolLM2 at one row, a 400 us
 # step: 406.7 -> 409.9 us with them).
@@ -307,6 +314,9 @@ class DecodeBuffers:
     inputs: StagedInputs  # input_ids, positions, kv_lens, k/v ptrs, sampling params (R,)
     ragged: StagedInputs  # a ragged step's tokens, sequences and prefill tiles (ragged_fields)
     embed_out: cp.ndarray  # (A, hidden) f32 -- the residual stream, updated in place
+    # the same bytes as 16-bit rows (A, hidden), the residual stream of steps over GEMV_MAX_ROWS
+    # rows in bfloat16 models (CudaRunner._residual), or None
+    res16: cp.ndarray | None
     norm_out: cp.ndarray  # (A, hidden) 16-bit
     # qkv_out, gate_up_out: the bytes of a product some kernel reads back, seen through
     # `products` as float32 rows and as 16-bit rows (CudaRunner._product)
@@ -588,6 +598,7 @@ class CudaRunner:
         delta_wide = self.prod_dtype if self.prod_dtype == np.uint16 else np.dtype(np.float32)
         o_out, down_out = (views(cp.zeros(A * cfg.hidden_size * 4, np.uint8), cfg.hidden_size, delta_wide)
                            for _ in range(2))
+        embed_out = cp.zeros((A, cfg.hidden_size), np.float32)
         return DecodeBuffers(
             products={"qkv": views(qkv_out, qkv_width), "gate_up": views(gate_up_out, gate_up_width),
                       "o": o_out, "down": down_out},
@@ -600,7 +611,9 @@ class CudaRunner:
                                 np.float32) if self.mlp_block_fits else None,
             inputs=StagedInputs({name: (dtype, (R, *inner)) for name, (dtype, inner) in fields.items()}),
             ragged=StagedInputs(ragged_fields(A)),
-            embed_out=cp.zeros((A, cfg.hidden_size), np.float32),
+            embed_out=embed_out,
+            res16=embed_out.view(s).reshape(-1)[:A * cfg.hidden_size].reshape(A, cfg.hidden_size)
+            if self.residual_16 else None,
             norm_out=cp.zeros((A, cfg.hidden_size), s),
             qkv_out=qkv_out,
             q_rot=cp.zeros((A, H, D), s),
@@ -707,6 +720,17 @@ class CudaRunner:
         f32, p16 = self.buffers.products[name]
         return (f32 if n <= GEMV_MAX_ROWS else p16)[:n]
 
+    @property
+    def residual_16(self) -> bool:
+        """Whether steps of more than GEMV_MAX_ROWS rows carry the residual stream in 16 bits
+        (RESIDUAL_16, bfloat16 models)."""
+        return RESIDUAL_16 and self.scalar == np.uint16
+
+    def _residual(self, n: int) -> cp.ndarray:
+        """The residual stream of an n-row step: embed_out, or its bytes as 16-bit rows (res16)."""
+        b = self.buffers
+        return b.res16[:n] if b.res16 is not None and n > GEMV_MAX_ROWS else b.embed_out[:n]
+
     def _quant_in(self, n: int, width: int) -> tuple | None:
         """Steps whose products run on float8 codes (--quantization fp8, more than
         GEMV_MAX_ROWS rows): the (codes, scales) buffers that RMSNorm and SiLU * up fill
@@ -789,7 +813,7 @@ class CudaRunner:
         block = kv_lens is not None and self._attn_block(n)
         attn_o = kv_lens is not None and self._attn_o(n)
         mlp = self._mlp_block(n)
-        res = [b.embed_out[:n], b.res_alt[:n] if fold or block or mlp else None]
+        res = [self._residual(n), b.res_alt[:n] if fold or block or mlp else None]
         last_down = None  # the last down product, not yet added to the residual stream
 
         def folded(delta: cp.ndarray | None, weight: cp.ndarray, bias: cp.ndarray | None = None) -> NormIn:
@@ -913,7 +937,7 @@ class CudaRunner:
         """One decode step for n rows (a bucket): no host work, no branches on data."""
         cfg, b, w = self.config, self.buffers, self.weights
         d = b.inputs.dev
-        embedding(d["input_ids"][:n], w.embed_tokens, b.embed_out[:n], pdl=self._launch_pdl,
+        embedding(d["input_ids"][:n], w.embed_tokens, self._residual(n), pdl=self._launch_pdl,
                   src=d["token_src"][:n], sampled=b.sampled)
 
         def attention(offset: int) -> None:
@@ -1040,7 +1064,7 @@ class CudaRunner:
         embedding, the layers (attention(offset) for each layer's attention), the final norm."""
         cfg, b, w = self.config, self.buffers, self.weights
         d = b.ragged.dev
-        embedding(d["tok_ids"][:n], w.embed_tokens, b.embed_out[:n], pdl=self._launch_pdl, src=d["tok_src"][:n],
+        embedding(d["tok_ids"][:n], w.embed_tokens, self._residual(n), pdl=self._launch_pdl, src=d["tok_src"][:n],
                   sampled=b.sampled)
         down_scales, residual, delta = self._layers(n, (d["tok_pos"][:n], d["tok_k"][:n], d["tok_v"][:n]), attention)
         add_rms_norm(residual, delta, w.norm, cfg.rms_norm_eps, out=b.norm_out[:n], scales=down_scales,
