@@ -42,8 +42,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.gpu_clocks import GpuClocks, describe  # noqa: E402
 
 
 @dataclass
@@ -251,17 +256,19 @@ def run(args) -> dict:
     one warm-up request each included), so the HTTP path's share of the client's TTFT shows."""
     before = server_histograms(args)
     args.start_at = None
-    if args.processes == 1:
-        parts = [_run_part(args, 0)]
-    else:
-        import concurrent.futures
-        import multiprocessing
-        args.start_at = time.time() + 10.0  # after every process has started and warmed up
-        spawn = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(args.processes, mp_context=spawn) as pool:
-            parts = list(pool.map(_run_part, [args] * args.processes, range(args.processes)))
+    with GpuClocks(gpu_clocks_wanted(args)) as clocks:
+        if args.processes == 1:
+            parts = [_run_part(args, 0)]
+        else:
+            import concurrent.futures
+            import multiprocessing
+            args.start_at = time.time() + 10.0  # after every process has started and warmed up
+            spawn = multiprocessing.get_context("spawn")
+            with concurrent.futures.ProcessPoolExecutor(args.processes, mp_context=spawn) as pool:
+                parts = list(pool.map(_run_part, [args] * args.processes, range(args.processes)))
     results = [r for part in parts for r in part[1]]
     summary = summarize(args, parts[0][0], results, max(p[3] for p in parts) - min(p[2] for p in parts))
+    summary["gpu"] = clocks.summary()
     after = server_histograms(args)
     for key, name in SERVER_HISTOGRAMS.items():
         delta = histogram_delta(before[name], after[name]) if name in before and name in after else None
@@ -311,7 +318,6 @@ async def run_engine(args) -> list[dict]:
     """The load on the engine without HTTP, in this process or (--engine-process) in one of
     its own as the server runs it, once per token budget of --max-num-batched-tokens (the
     engine is built for the largest); a summary each."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from engine import Engine, EngineConfig, SchedulerConfig
     from engine.config import CacheConfig
     from engine.engine_process import EngineProcess
@@ -333,13 +339,14 @@ async def run_engine(args) -> list[dict]:
         await engine_request(engine, prompts[0][:16], 4)  # warm-up
         for budget in args.budgets:
             engine.call(_trace_steps, budget)
-            results, start, end = await closed_loop(prompts, args.concurrency, args.request_rate, args.seed + 1,
-                                                    args.output_len,
-                                                    lambda prompt, n: engine_request(engine, prompt, n))
+            with GpuClocks(gpu_clocks_wanted(args)) as clocks:
+                results, start, end = await closed_loop(prompts, args.concurrency, args.request_rate, args.seed + 1,
+                                                        args.output_len,
+                                                        lambda prompt, n: engine_request(engine, prompt, n))
             trace = engine.call(_take_trace)
             summary = summarize(args, args.engine, results, end - start)
             summary.update(max_num_batched_tokens=budget, steps=step_summary(trace),
-                           step_seconds=sum(t[2] for t in trace))
+                           step_seconds=sum(t[2] for t in trace), gpu=clocks.summary())
             summaries.append(summary)
             traces.append(trace)
     finally:
@@ -371,6 +378,14 @@ def summarize(args, model: str, results: list[Result], duration: float) -> dict:
                                 "e2e_ms": round(1e3 * r.e2e, 3), "output_tokens": r.output_tokens,
                                 "error": r.error or None} for r in sorted(results, key=lambda r: r.start)]
     return summary
+
+
+def gpu_clocks_wanted(args) -> bool:
+    """--gpu-clocks, or where it is not given: the engine here, or a server on this host (the
+    GPU that nvidia-smi sees here is the one serving)."""
+    if args.gpu_clocks is not None:
+        return args.gpu_clocks
+    return bool(args.engine) or urlsplit(args.url).hostname in ("127.0.0.1", "localhost", "::1")
 
 
 def add_scheduling_flags(ap) -> None:
@@ -411,6 +426,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="client processes sharing the load (HTTP; default: one per 64 streams): one Python "
                          "client falls behind a server that sends ~20k events/s, and then measures itself")
     ap.add_argument("--json")
+    ap.add_argument("--gpu-clocks", action=argparse.BooleanOptionalAction, default=None,
+                    help="sample the GPU's SM clock and power draw during the load (nvidia-smi; default: "
+                         "with --engine or a server on this host); reported, and in the JSON as \"gpu\"")
     ap.add_argument("--save-detailed", action="store_true",
                     help="with --json: also each request's send time, TTFT, end-to-end latency and tokens "
                          "(how TTFT moves over a run: the waves of a fixed concurrency)")
@@ -464,6 +482,8 @@ def report(args, summary: dict) -> None:
         if key in summary:  # the server's own, from /metrics
             s = summary[key]
             print(f"  {key[:-3]:12s} mean {s['mean']:9.2f}  p50 ~{s['p50']:8.2f} ms (server's histogram)")
+    if describe(summary.get("gpu")):
+        print("  " + describe(summary["gpu"]))
     if summary["errors"]:
         print("  errors:", summary["errors"])
     if "steps" in summary:
