@@ -169,6 +169,9 @@ QUANTIZATIONS = ("fp8",)
 # how the fp8 products of many rows add (cuBLASLt): "fast", in the tensor cores' own
 # accumulator, as vLLM's fp8 kernels do; "promoted", into float32 now and then (slower)
 FP8_ACCUMULATIONS = ("fast", "promoted")
+# EngineConfig.dtype: the 16-bit type the runner computes in; "auto" is the checkpoint's
+# (bfloat16 for a bfloat16 checkpoint, else float16, as vLLM's --dtype auto)
+DTYPES = ("auto", "float16", "bfloat16")
 
 
 def check_quantization(value: str | None) -> None:
@@ -274,6 +277,7 @@ class EngineConfig:
     cpu_weight_dtype: str = "auto"
     quantization: str | None = None  # None (the checkpoint's 16-bit weights) or "fp8" (CUDA only)
     fp8_accumulation: str = "fast"  # FP8_ACCUMULATIONS, for quantization "fp8"
+    dtype: str = "auto"  # DTYPES: the 16-bit type of weights and activations (compute_dtype)
     cache_dir: str = field(default_factory=lambda: str(_default_cache_dir()))  # downloads, compiled kernels
 
     def __post_init__(self) -> None:
@@ -286,3 +290,12 @@ class EngineConfig:
         if self.cpu_weight_dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"cpu_weight_dtype must be auto, float32, float16 or bfloat16, "
                              f"got {self.cpu_weight_dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+
+    def compute_dtype(self, checkpoint_dtype: str) -> str:
+        """The 16-bit type to run a checkpoint stored in `checkpoint_dtype` in: `dtype`, or for
+        "auto" bfloat16 where the checkpoint is bfloat16, else float16."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if checkpoint_dtype == "bfloat16" else "float16"

@@ -14,7 +14,8 @@ from typing import Any
 
 import yaml
 
-from engine.config import FP8_ACCUMULATIONS, KV_CACHE_DTYPES, CacheConfig, EngineConfig, SchedulerConfig, check_quantization
+from engine.config import (DTYPES, FP8_ACCUMULATIONS, KV_CACHE_DTYPES, CacheConfig, EngineConfig, SchedulerConfig,
+                           check_quantization)
 from engine.env import cache_dir as default_cache_dir
 from engine.env import prefixed
 from engine.loader import DEFAULT_MODEL
@@ -60,6 +61,9 @@ class ServeSettings:
                                "fast (in the tensor cores' accumulator, as vLLM's fp8 kernels; 7-10 % faster "
                                "prefill on Hopper, ~0.2-0.3 % rms error in the sums against e4m3's own ~3.6 %) "
                                "or promoted (into float32 now and then)", FP8_ACCUMULATIONS)
+    dtype: str = _s("auto", "str", "the 16-bit type of weights and activations: auto (the checkpoint's: bfloat16 "
+                    "for a bfloat16 checkpoint, else float16), float16 or bfloat16 (the CPU runner's with "
+                    "cpu_weight_dtype auto)", DTYPES)
     gpu_memory_utilization: float = _s(0.9, "float", "fraction of GPU memory for weights + buffers + KV cache")
     cpu_kv_cache_gib: float = _s(1.0, "float", "KV cache size in GiB on the CPU")
     cpu_weight_dtype: str = _s("auto", "str", "CPU weights: auto (16-bit with the C kernels), float32, float16, "
@@ -100,7 +104,7 @@ class ServeSettings:
         return EngineConfig(
             model=self.model, device=self.device, seed=self.seed, enforce_eager=self.enforce_eager,
             served_model_name=self.model_name, cpu_weight_dtype=self.cpu_weight_dtype,
-            quantization=self.quantization, fp8_accumulation=self.fp8_accumulation,
+            quantization=self.quantization, fp8_accumulation=self.fp8_accumulation, dtype=self.dtype,
             cache_dir=self.cache_dir or str(default_cache_dir()),
             cache=CacheConfig(kv_cache_bytes=int(self.kv_cache_gib * gib) if self.kv_cache_gib else None,
                               gpu_memory_utilization=self.gpu_memory_utilization,

@@ -23,10 +23,10 @@ DATA = json.loads((Path(__file__).parent / "data" / "llamacpp_smollm2.json").rea
 
 
 def cuda_runner(model, max_model_len=2048, max_num_seqs=16, eager=False, kv_bytes=1 << 30, kv_dtype="auto",
-                quantization=None, fp8_accumulation="fast", budget=2048):
+                quantization=None, fp8_accumulation="fast", budget=2048, dtype="auto"):
     from engine.runner.cuda_runner import CudaRunner
     config = EngineConfig(model="test", device="cuda", enforce_eager=eager, quantization=quantization,
-                          fp8_accumulation=fp8_accumulation,
+                          fp8_accumulation=fp8_accumulation, dtype=dtype,
                           cache=CacheConfig(kv_cache_bytes=kv_bytes, kv_cache_dtype=kv_dtype),
                           scheduler=SchedulerConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                                     max_num_batched_tokens=max(budget, max_num_seqs)))
@@ -97,21 +97,23 @@ def test_smollm2_fp8_weights_stay_close(smollm2, smollm2_runner, accumulation):
     ("llama", "auto", None, None), ("qwen2", "auto", None, None), ("mistral", "auto", None, None),
     ("llama_tied_mha", "auto", None, None), ("llama_hd64", "fp8", None, None), ("mistral_hd32", "fp8", None, None),
     ("qwen2", "auto", "fp8", None), ("llama_hd64", "fp8", "fp8", None),
-    ("llama", "auto", None, "bfloat16"), ("qwen2", "auto", "fp8", "bfloat16")])
+    ("llama", "auto", None, "bfloat16"), ("qwen2", "auto", "fp8", "bfloat16"), ("mistral", "auto", None, "run-bf16")])
 def test_tiny_models_match_the_numpy_runner(tmp_path, name, kv_dtype, quant, dtype):
     """A ragged prefill through the eager path, then decode steps through execute()
     (the captured graph), against the NumPy runner's logits; with an fp8 K/V cache the
     keys and values are rounded to e4m3 (3 mantissa bits), and with fp8 weights the
     matrices and their inputs, so the bounds are looser. A bfloat16 checkpoint runs in
-    bfloat16, its prefill (over GEMV_MAX_ROWS rows) with a bfloat16 residual stream."""
-    path = build_tiny_model(tmp_path, name, seed=5, dtype=dtype)
+    bfloat16, its prefill (over GEMV_MAX_ROWS rows) with a bfloat16 residual stream; so does a
+    float32 one run with --dtype bfloat16 ("run-bf16")."""
+    saved, run = (None, "bfloat16") if dtype == "run-bf16" else (dtype, "auto")
+    path = build_tiny_model(tmp_path, name, seed=5, dtype=saved)
     model = load_model(str(path), with_tokenizer=False)
     ref_runner = NumpyRunner(model.config, model.weights, num_kv_slots=REGION * 3, max_model_len=REGION,
                              progress=False)
-    gpu = cuda_runner(model, max_model_len=REGION, kv_dtype=kv_dtype, quantization=quant)
+    gpu = cuda_runner(model, max_model_len=REGION, kv_dtype=kv_dtype, quantization=quant, dtype=run)
     assert gpu.graphs
     assert gpu.k_cache.dtype == (np.uint8 if kv_dtype == "fp8" else gpu.scalar)
-    assert gpu.residual_16 == (dtype == "bfloat16")
+    assert gpu.residual_16 == (dtype is not None) and gpu.scalar == (np.uint16 if dtype else np.float16)
     r = np.random.default_rng(3)
     prompts = [r.integers(0, VOCAB, n).tolist() for n in (5, 17, 130)]  # ragged, one over two prefill tiles
     cont = [r.integers(0, VOCAB, 6).tolist() for _ in prompts]
@@ -138,7 +140,7 @@ def test_tiny_models_match_the_numpy_runner(tmp_path, name, kv_dtype, quant, dty
     elif kv_dtype == "fp8":
         assert cos.min() >= 0.99 and agree >= 0.9
     else:  # bfloat16 keeps 8 bits to float16's 11: a near tie of a random tiny model may flip
-        assert cos.min() >= 0.999 and agree >= (0.95 if dtype == "bfloat16" else 0.99)
+        assert cos.min() >= 0.999 and agree >= (0.95 if dtype else 0.99)
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])

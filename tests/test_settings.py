@@ -96,6 +96,32 @@ def test_quantization_setting(tmp_path, monkeypatch):
         make_runner(EngineConfig(model="tiny", device="cpu", quantization="fp8"), model)
 
 
+def test_dtype_setting(tmp_path, monkeypatch):
+    """--dtype: the 16-bit type the runners compute in; auto follows the checkpoint."""
+    from engine.config import EngineConfig
+    assert ServeSettings().engine_config().dtype == "auto"
+    assert resolve_settings(parse("--dtype", "bfloat16")).engine_config().dtype == "bfloat16"
+    monkeypatch.setenv("CUSERVE_DTYPE", "float16")
+    assert resolve_settings(parse()).engine_config().dtype == "float16"
+    with pytest.raises(ValueError, match="dtype must be one of auto, float16, bfloat16"):
+        ServeSettings(dtype="float32")
+    with pytest.raises(ValueError, match="dtype must be one of auto, float16, bfloat16"):
+        EngineConfig(model="m", dtype="half")
+    auto, bf16 = EngineConfig(model="m"), EngineConfig(model="m", dtype="bfloat16")
+    assert [auto.compute_dtype(d) for d in ("bfloat16", "float16", "float32")] == ["bfloat16", "float16", "float16"]
+    assert [bf16.compute_dtype(d) for d in ("bfloat16", "float16", "float32")] == ["bfloat16"] * 3
+    assert EngineConfig(model="m", dtype="float16").compute_dtype("bfloat16") == "float16"
+    # the CPU runner's 16-bit weights follow it (cpu_weight_dtype auto, with its C kernels)
+    from engine.loader import load_model
+    from engine.runner import make_runner
+    from tests.tiny_models import build_tiny_model
+    model = load_model(str(build_tiny_model(tmp_path, "llama", seed=1)), with_tokenizer=False)
+    for dtype in ("auto", "bfloat16"):
+        runner = make_runner(EngineConfig(model="tiny", device="cpu", dtype=dtype), model)
+        expect = ("float16" if dtype == "auto" else "bfloat16") if runner.kernels is not None else "float32"
+        assert runner.weight_dtype == expect
+
+
 def test_config_yaml_and_readme_table_are_current():
     result = subprocess.run([sys.executable, "tools/gen_docs.py", "--check"], cwd=ROOT, capture_output=True,
                             text=True)

@@ -58,8 +58,7 @@ def make_runner(config: EngineConfig, model: LoadedModel):
     weight_dtype = config.cpu_weight_dtype
     kernels = load_kernels(Path(config.cache_dir)) if weight_dtype != "float32" else None
     if weight_dtype == "auto":
-        weight_dtype = "float32" if kernels is None else (
-            "bfloat16" if model.config.dtype == "bfloat16" else "float16")
+        weight_dtype = "float32" if kernels is None else config.compute_dtype(model.config.dtype)
     log.info("CPU runner: %s weights, %d KV slots (%.2f GiB), context limit %d",
              weight_dtype, slots, budget / 2**30, max_len)
     return NumpyRunner(model.config, model.weights, num_kv_slots=slots, max_model_len=max_len,

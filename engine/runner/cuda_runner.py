@@ -410,7 +410,7 @@ class CudaRunner:
         # the kernels launched now use it: only while capturing (see _capture_graphs)
         self.pdl = pdl_supported() if pdl is None else pdl
         self._launch_pdl = False
-        self.dtype_name = "bfloat16" if cfg.dtype == "bfloat16" else "float16"
+        self.dtype_name = config.compute_dtype(cfg.dtype)
         self.scalar = np.uint16 if self.dtype_name == "bfloat16" else np.float16
         self.kv_fp8 = config.cache.kv_fp8  # K/V as float8 e4m3 bytes (uint8 arrays here)
         self.quant_fp8 = config.quantization == "fp8"  # layer matrices as Fp8Matrix
