@@ -30,6 +30,21 @@ __device__ __forceinline__ float2 to_float2(scalar2_t x) { return __half22float2
 __device__ __forceinline__ scalar2_t from_float2(float lo, float hi) { return __floats2half2_rn(lo, hi); }
 #endif
 
+// -DRES16=1: the residual stream in the 16-bit type (rmsnorm.cu, embedding.cu; rmsnorm.py says
+// when), else float32
+#ifndef RES16
+#define RES16 0
+#endif
+#if RES16
+typedef scalar_t res_t;
+__device__ __forceinline__ float res_to_float(res_t x) { return to_float(x); }
+__device__ __forceinline__ res_t res_from_float(float x) { return from_float(x); }
+#else
+typedef float res_t;
+__device__ __forceinline__ float res_to_float(res_t x) { return x; }
+__device__ __forceinline__ res_t res_from_float(float x) { return x; }
+#endif
+
 // Programmatic dependent launch (Hopper): a kernel launched with the programmatic
 // stream-serialization attribute may start while the previous one finishes; it must
 // wait for that one's results before touching memory the previous kernels write, and

@@ -1,15 +1,6 @@
 // Embedding gather: the residual stream starts as float32 rows of the table (-DRES16=1: as the
-// table's own 16-bit rows, rmsnorm.cu's RES16).
+// table's own 16-bit rows, common.cuh's res_t).
 #include "common.cuh"
-
-#ifndef RES16
-#define RES16 0
-#endif
-#if RES16
-typedef scalar_t res_t;
-#else
-typedef float res_t;
-#endif
 
 // out (T, hidden) res_t <- table[token t]; grid (T), block (any). Token t is ids[t], or, where
 // src is given and src[t] >= 0, sampled[src[t]]: a token the step before sampled, still on the
@@ -23,9 +14,5 @@ extern "C" __global__ void embedding(const int *__restrict__ ids, const int *__r
     if (src != nullptr && src[t] >= 0) id = sampled[src[t]];
     const scalar_t *row = table + (long long)id * hidden;
     res_t *o = out + t * hidden;
-#if RES16
-    for (int i = threadIdx.x; i < hidden; i += blockDim.x) o[i] = row[i];
-#else
-    for (int i = threadIdx.x; i < hidden; i += blockDim.x) o[i] = to_float(row[i]);
-#endif
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) o[i] = res_from_float(to_float(row[i]));
 }

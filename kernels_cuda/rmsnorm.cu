@@ -19,17 +19,8 @@
 #define NORM_AHEAD 0
 #endif
 
-// -DRES16=1: the residual stream in the 16-bit type (scalar_t), as rmsnorm.py's residual16 says
-// when: each sum is rounded to 16 bits before it is normed, so this step's norm and the next
-// read the same values
-#ifndef RES16
-#define RES16 0
-#endif
-#if RES16
-typedef scalar_t res_t;
-#else
-typedef float res_t;
-#endif
+// -DRES16=1 (common.cuh's res_t): each sum is rounded to 16 bits before it is normed, so this
+// step's norm and the next read the same values
 
 // four residual values at r[4 i .. 4 i + 3], and back
 __device__ __forceinline__ float4 load_res4(const res_t *r, int i) {
@@ -56,22 +47,6 @@ __device__ __forceinline__ float4 store_res4(res_t *r, int i, float4 v) {
 #else
     reinterpret_cast<float4 *>(r)[i] = v;
     return v;
-#endif
-}
-
-__device__ __forceinline__ float res_to_float(res_t x) {
-#if RES16
-    return to_float(x);
-#else
-    return x;
-#endif
-}
-
-__device__ __forceinline__ res_t res_from_float(float x) {
-#if RES16
-    return from_float(x);
-#else
-    return x;
 #endif
 }
 
