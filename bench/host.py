@@ -248,6 +248,7 @@ def http_run(args) -> dict:
                 raise RuntimeError("the stand-in server did not start")
             time.sleep(0.5)
         child.send_signal(signal.SIGUSR1)
+        args.gpu_clocks = False  # the stand-in's steps draw nothing from a GPU this host may have
         summary = serve.run(args)
         child.send_signal(signal.SIGUSR1)
         for line in child.stdout:
