@@ -143,6 +143,43 @@ def test_tiny_models_match_the_numpy_runner(tmp_path, name, kv_dtype, quant, dty
         assert cos.min() >= 0.999 and agree >= (0.95 if dtype else 0.99)
 
 
+def test_bfloat16_decode_graph_past_the_skinny_gemm(tmp_path):
+    """24 decode rows of a bfloat16 checkpoint replay the 32-row bucket's graph, whose residual
+    stream is bfloat16 (more than GEMV_MAX_ROWS rows): close to the NumPy runner, and the bits of
+    the eager path."""
+    from engine.runner.cuda_runner import GEMV_MAX_ROWS
+    model = load_model(str(build_tiny_model(tmp_path, "llama", seed=5, dtype="bfloat16")), with_tokenizer=False)
+    n = 24
+    assert n > GEMV_MAX_ROWS
+    ref_runner = NumpyRunner(model.config, model.weights, num_kv_slots=REGION * n, max_model_len=REGION,
+                             progress=False)
+    graphed = cuda_runner(model, max_model_len=REGION, max_num_seqs=32)
+    eager = cuda_runner(model, max_model_len=REGION, max_num_seqs=32, eager=True)
+    assert graphed.graphs and graphed._residual(n).dtype == np.uint16
+    r = np.random.default_rng(7)
+    prompts = [r.integers(0, VOCAB, k).tolist() for k in [11] * 16 + [10] * 8]  # 256 tokens: a captured count
+    for runner in (ref_runner, graphed, eager):
+        runner.forward(prefill_step(prompts))
+    pos = [len(p) for p in prompts]
+    greedy = SamplingParams(temperature=0)
+    ref, got = [], []
+    for step in range(3):
+        tokens = r.integers(0, VOCAB, n).tolist()
+        ref.append(ref_runner.forward(decode_step(tokens, [p + step for p in pos])))
+        logits = []
+        for runner in (graphed, eager):
+            out = decode_step(tokens, [p + step for p in pos])
+            for row in out.seqs:
+                row.sampling = greedy
+            runner.execute(out)
+            logits.append(cp.asnumpy(runner.buffers.logits[:n]))
+        np.testing.assert_array_equal(logits[0], logits[1])
+        got.append(logits[0])
+    cos = cosines(np.concatenate(got), np.concatenate(ref))
+    print(f"bfloat16, {n} decode rows: min cosine {cos.min():.5f}")
+    assert cos.min() >= 0.999
+
+
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
 def test_mixed_step_attention_on_two_streams_gives_the_same_bits(tmp_path, kv_dtype):
     """A step of decode rows and prompts runs the prompts' attention on a side stream beside
