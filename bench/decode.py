@@ -101,6 +101,7 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8 (e4m3)")
     ap.add_argument("--quantization", default=None, help="fp8: e4m3 layer weights (default: 16-bit)")
     ap.add_argument("--fp8-accumulation", default="fast", help="fast or promoted (the server's setting)")
+    ap.add_argument("--dtype", default="auto", help="auto, float16 or bfloat16 (the server's setting)")
     ap.add_argument("--schedule-prompts-ahead", action=argparse.BooleanOptionalAction, default=True,
                     help="as the server's setting (--no-schedule-prompts-ahead: off)")
     ap.add_argument("--json", help="write the results here")
@@ -108,7 +109,7 @@ def main() -> None:
     batches = [int(b) for b in args.batch.split(",")]
     kv = int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None
     config = EngineConfig(model=args.model, device=args.device, quantization=args.quantization,
-                          fp8_accumulation=args.fp8_accumulation,
+                          fp8_accumulation=args.fp8_accumulation, dtype=args.dtype,
                           cache=CacheConfig(kv_cache_bytes=kv, kv_cache_dtype=args.kv_cache_dtype),
                           scheduler=SchedulerConfig(max_num_seqs=max(batches), max_waiting=max(batches),
                                                     max_num_batched_tokens=max(2048, max(batches)),
@@ -121,7 +122,7 @@ def main() -> None:
     results = [run_batch(engine, b, args.prompt_len, args.max_tokens) for b in batches]
     engine.shutdown()
     device = getattr(engine.runner, "device", "?")
-    print(f"model={args.model} device={device} kv_cache_dtype={args.kv_cache_dtype} "
+    print(f"model={args.model} device={device} dtype={args.dtype} kv_cache_dtype={args.kv_cache_dtype} "
           f"quantization={args.quantization} prompt_len={args.prompt_len} "
           f"max_tokens={args.max_tokens}"
           + (f" bandwidth={results[0]['bandwidth_gb_s']:.0f} GB/s" if "bandwidth_gb_s" in results[0] else ""))

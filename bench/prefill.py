@@ -86,12 +86,14 @@ def main() -> None:
     ap.add_argument("--quantization", default=None, help="fp8: e4m3 layer weights; the floor then takes the fp8 "
                     "GEMM rate")
     ap.add_argument("--fp8-accumulation", default="fast", help="fast or promoted (the server's setting)")
+    ap.add_argument("--dtype", default="auto", help="auto, float16 or bfloat16 (the server's setting; the floor "
+                    "keeps the fp16 GEMM rate, which Hopper's bfloat16 products share)")
     ap.add_argument("--json")
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     longest = max(lengths)
     config = EngineConfig(model=args.model, device=args.device, cache=CacheConfig(kv_cache_bytes=8 << 30),
-                          quantization=args.quantization, fp8_accumulation=args.fp8_accumulation,
+                          quantization=args.quantization, fp8_accumulation=args.fp8_accumulation, dtype=args.dtype,
                           scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=longest,
                                                     max_model_len=longest + 16))
     engine = Engine(config)
