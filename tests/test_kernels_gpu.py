@@ -70,6 +70,34 @@ def assert_e4m3_of(codes: np.ndarray, ref: np.ndarray) -> None:
     np.testing.assert_array_less(np.abs(got - np.clip(ref, -448, 448)), 0.5 * step + 1e-6)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_e4m3_codes_widen_to_their_16_bit_values(dtype):
+    """common.cuh's e4m3 -> 16-bit conversions (the fp8 K/V tiles, fp8 weights in the skinny
+    GEMM) give every code's value exactly, signed zeros included."""
+    from kernels_cuda._module import KERNEL_DIR
+    src = ('#include "common.cuh"\n'
+           'extern "C" __global__ void widen(const unsigned *w, unsigned *four, unsigned *two, int n) {\n'
+           '    const int i = blockIdx.x * blockDim.x + threadIdx.x;\n'
+           '    if (i >= n) return;\n'
+           '    fp8x4_to_scalar2x2(w[i], four[2 * i], four[2 * i + 1]);\n'
+           '    two[2 * i] = fp8x2_to_scalar2((unsigned short)(w[i] & 0xffff));\n'
+           '    two[2 * i + 1] = fp8x2_to_scalar2((unsigned short)(w[i] >> 16));\n'
+           '}\n')
+    mod = cp.RawModule(code=src, options=("-std=c++17", f"-I{KERNEL_DIR}", f"-DUSE_BF16={int(dtype == 'bfloat16')}"))
+    codes = cp.asarray(np.arange(256, dtype=np.uint8))
+    four, two = cp.zeros(128, np.uint32), cp.zeros(128, np.uint32)
+    mod.get_function("widen")((1,), (64,), (codes.view(np.uint32), four, two, np.int32(64)))
+    got = cp.asnumpy(four).view(np.uint16)
+    np.testing.assert_array_equal(got, cp.asnumpy(two).view(np.uint16))
+    finite = ~np.isnan(E4M3)
+    if dtype == "bfloat16":
+        want = f32_to_bf16_bits(E4M3)
+    else:
+        want = E4M3.astype(np.float16).view(np.uint16)
+    np.testing.assert_array_equal(got[finite], want[finite])
+    assert got[0x80] == 0x8000 and got[0] == 0  # -0 and +0
+
+
 rng = np.random.default_rng(0)
 
 
