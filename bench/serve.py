@@ -383,9 +383,9 @@ def summarize(args, model: str, results: list[Result], duration: float) -> dict:
 def gpu_clocks_wanted(args) -> bool:
     """--gpu-clocks, or where it is not given: the engine here, or a server on this host (the
     GPU that nvidia-smi sees here is the one serving)."""
-    if getattr(args, "gpu_clocks", None) is not None:
+    if args.gpu_clocks is not None:
         return args.gpu_clocks
-    return bool(getattr(args, "engine", None)) or urlsplit(args.url).hostname in ("127.0.0.1", "localhost", "::1")
+    return bool(args.engine) or urlsplit(args.url).hostname in ("127.0.0.1", "localhost", "::1")
 
 
 def add_scheduling_flags(ap) -> None:

@@ -304,15 +304,15 @@ class Scheduler:
             budget -= end
             prompt_tokens += end
         if not self.preempted:
-            self._admit_waiting(budget, rows, copies, prompt_tokens=prompt_tokens, step_budget=step_budget)
+            self._admit_waiting(budget, step_budget, rows, copies, prompt_tokens=prompt_tokens)
 
         gone, self._gone = self._gone, []
         out = SchedulerOutput(seqs=rows, kv_copies=copies, step=self._step, finished_seq_ids=gone)
         return self._scheduled(out, step_budget) if rows else out
 
-    def _prompt_room(self, ending: int = 0, step_budget: int | None = None) -> int:
+    def _prompt_room(self, step_budget: int, ending: int = 0) -> int:
         """Tokens a step may give to prompts when it admits new requests: the step's budget
-        (_step_budget; max_num_batched_tokens where None) less a row for each sequence that
+        (_step_budget) less a row for each sequence that
         will be decoding once the waiting requests are in (at most max_num_seqs, at most half
         of max_num_batched_tokens; `ending`: running sequences about to end).
 
@@ -328,15 +328,15 @@ class Scheduler:
             if decoding >= cap:
                 break
             decoding += request.params.n
-        return (step_budget or c.max_num_batched_tokens) - min(decoding, cap)
+        return step_budget - min(decoding, cap)
 
-    def _admit_waiting(self, budget: int, rows: list[ScheduledSeq], copies: list[KVCopy], ending: int = 0,
-                       prompt_tokens: int = 0, step_budget: int | None = None) -> None:
+    def _admit_waiting(self, budget: int, step_budget: int, rows: list[ScheduledSeq], copies: list[KVCopy],
+                       ending: int = 0, prompt_tokens: int = 0) -> None:
         """New requests, in arrival order, while the budget (within _prompt_room, of which
         `prompt_tokens` are already the step's), max_num_seqs and the pool allow: the first
         chunk of each one's prompt (`ending`, `step_budget`: as _admit, _prompt_room)."""
         if self.waiting:
-            budget = min(budget, self._prompt_room(ending, step_budget) - prompt_tokens)
+            budget = min(budget, self._prompt_room(step_budget, ending) - prompt_tokens)
         while budget > 0 and self.waiting:
             request = self.waiting[0]
             capacity = self._initial_capacity(request, request.num_prompt_tokens)
@@ -417,7 +417,7 @@ class Scheduler:
             return None
         budget -= len(decodes)
         prompt_tokens = sum(target - row.kv_len for row, target in chunks)
-        room = min(budget, self._prompt_room(len(ending), step_budget)) if self.waiting else budget
+        room = min(budget, self._prompt_room(step_budget, len(ending))) if self.waiting else budget
         if (chunks or self.waiting) and not self._prompts_fill(room - prompt_tokens, len(ending)):
             return None  # a plain step, scheduled once prev is done, can take what arrives meanwhile
         rows = decodes
@@ -433,8 +433,7 @@ class Scheduler:
         # the ending sequences' places go to new ones already (their regions are freed by
         # update(prev)); the runner lets go of their state when this step is submitted, after
         # prev on its stream
-        self._admit_waiting(budget, rows, copies, ending=len(ending), prompt_tokens=chunk_tokens,
-                            step_budget=step_budget)
+        self._admit_waiting(budget, step_budget, rows, copies, ending=len(ending), prompt_tokens=chunk_tokens)
         if not rows:
             return None
         self._step += 1
