@@ -21,15 +21,18 @@ SCALAR_DTYPES = (np.dtype(np.float16), np.dtype(np.uint16))  # fp16, bf16 bits
 _MODULES: dict[tuple, cp.RawModule] = {}
 
 
-def module(family: str, **defines: int) -> cp.RawModule:
+def module(family: str, arch: str | None = None, **defines: int) -> cp.RawModule:
+    """The family's kernels built with these -D constants; arch: an architecture-specific
+    target ("sm_90a" for wgmma; NVRTC takes it over the plain one CuPy adds), else the
+    device's own."""
     if _timeline is not None:
         defines["STAMPS"] = 1
-    key = (family, tuple(sorted(defines.items())))
+    key = (family, arch, tuple(sorted(defines.items())))
     mod = _MODULES.get(key)
     if mod is None:
         source = (KERNEL_DIR / f"{family}.cu").read_text(encoding="utf-8")
-        options = ("-std=c++17", f"-I{KERNEL_DIR}",
-                   *(f"-D{k}={int(v)}" for k, v in sorted(defines.items())))
+        options = ("-std=c++17", f"-I{KERNEL_DIR}", *(f"-D{k}={int(v)}" for k, v in sorted(defines.items())),
+                   *((f"-arch={arch}",) if arch else ()))
         mod = cp.RawModule(code=source, options=options)
         if _timeline is not None:
             _timeline.attach(mod)
@@ -268,7 +271,20 @@ def pdl_supported() -> bool:
     return int(major) >= 9
 
 
+class ByValue:
+    """A kernel argument passed by value as raw bytes (a __grid_constant__ struct such as a
+    CUtensorMap), kept at `align` bytes: launch() hands the driver its address."""
+
+    def __init__(self, size: int, align: int = 64) -> None:
+        self._buf = (ctypes.c_uint8 * (size + align))()
+        start = ctypes.addressof(self._buf)
+        self.address = start + (-start % align)
+        self.value = (ctypes.c_uint8 * size).from_address(self.address)
+
+
 def _c_arg(arg):
+    if isinstance(arg, ByValue):
+        return arg.value
     if isinstance(arg, cp.ndarray):
         return ctypes.c_void_p(arg.data.ptr)
     if isinstance(arg, np.generic):
@@ -279,17 +295,20 @@ def _c_arg(arg):
 
 def launch(kernel: cp.RawKernel, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0,
            pdl: bool = False) -> None:
-    """Launch on the current stream; with pdl, as a programmatic dependent launch."""
+    """Launch on the current stream; with pdl, as a programmatic dependent launch. Launches
+    with pdl or a ByValue argument go through cuLaunchKernelEx (CuPy's launch takes neither)."""
     if _timeline is not None:
         _timeline.names.append(kernel.name)
-    if not pdl:
+    by_value = any(isinstance(a, ByValue) for a in args)
+    if not pdl and not by_value:
         kernel(grid, block, args, shared_mem=shared_mem)
         return
     grid = tuple(grid) + (1,) * (3 - len(grid))
     block = tuple(block) + (1,) * (3 - len(block))
     values = [_c_arg(a) for a in args]
     params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
-    config = _LaunchConfig(*grid, *block, shared_mem, cp.cuda.get_current_stream().ptr, ctypes.pointer(_PDL_ATTR), 1)
+    config = _LaunchConfig(*grid, *block, shared_mem, cp.cuda.get_current_stream().ptr, ctypes.pointer(_PDL_ATTR),
+                           int(pdl))
     status = _cuda_driver().cuLaunchKernelEx(ctypes.byref(config), kernel.kernel.ptr, params, None)
     if status:
         raise RuntimeError(f"cuLaunchKernelEx failed ({status})")

@@ -10,11 +10,14 @@ to run during stream capture, which the decode graphs need (cuBLAS itself suppor
 from __future__ import annotations
 
 import ctypes
+import functools
+from dataclasses import dataclass
 
 import cupy as cp
 import numpy as np
 
-from ._module import check, same_scalar
+from ._module import (MAX_BLOCK_SMEM, ByValue, _cuda_driver, check, function, i32, launch, module,
+                      same_scalar)
 from .quant import Fp8Matrix
 
 CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF, CUDA_R_8F_E4M3 = 0, 2, 14, 28
@@ -109,6 +112,11 @@ LT_WORKSPACE_BYTES = 32 << 20
 # the inputs (docs/performance.md, twenty-fifth session).
 
 
+def _rows_bucket(M: int) -> int:
+    """A product's power-of-two bucket of rows (at least 16): one choice of kernel each."""
+    return max(16, 1 << (M - 1).bit_length())
+
+
 class _HeuristicResult(ctypes.Structure):
     _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspaceSize", ctypes.c_size_t), ("state", ctypes.c_int),
                 ("wavesCount", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
@@ -164,9 +172,9 @@ class _Lt:
 
     @staticmethod
     def _bucket(key: tuple) -> tuple:
-        """The plan key's power-of-two bucket of rows (at least 16): one algorithm each."""
+        """The plan key's power-of-two bucket of rows (_rows_bucket): one algorithm each."""
         M, *rest = key
-        return (max(16, 1 << (M - 1).bit_length()), *rest)
+        return (_rows_bucket(M), *rest)
 
     def choose(self, M: int, N: int, K: int, out_type: int, fast: bool, algo: "_HeuristicResult") -> None:
         """Use `algo` for every product of this shape in M's bucket (see tune_gemm_fp8)."""
@@ -239,14 +247,16 @@ def _lt_handle() -> _Lt:
     return _lt
 
 
-def gemm_fp8(xq: cp.ndarray, w: Fp8Matrix, out: cp.ndarray, fast_accum: bool = False) -> cp.ndarray:
+def gemm_fp8(xq: cp.ndarray, w: Fp8Matrix, out: cp.ndarray, fast_accum: bool = False, pdl: bool = False) -> cp.ndarray:
     """out (M, N) = xq @ w.data^T over the values of the e4m3 codes (xq (M, K), e.g. from
     quant.quantize_rows), on the current stream, accumulated in float32 (fast_accum: in the
     MMAs' own accumulator, never promoted; see _LT_FAST_ACCUM's note); out float32 or
     bfloat16 (uint16 bits: the raw sums exceed float16's range, and the e4m3 inputs
     carry 3 mantissa bits to bfloat16's 8); K and N multiples of 16. The product
     of the scaled matrices is out * x_scale[:, None] * w.scale[None, :]: the caller hands
-    (x_scale, w.scale) to whichever kernel reads out (their `scales` argument)."""
+    (x_scale, w.scale) to whichever kernel reads out (their `scales` argument). With
+    fast_accum, a shape whose bucket of rows tune_gemm_fp8_wgmma found faster on gemm_fp8.cu
+    runs there (launched with pdl, if asked)."""
     if xq.ndim != 2 or xq.shape[1] != w.shape[1]:
         raise ValueError(f"gemm_fp8: x {xq.shape} and w {w.shape} do not chain")
     M, K = xq.shape
@@ -260,6 +270,10 @@ def gemm_fp8(xq: cp.ndarray, w: Fp8Matrix, out: cp.ndarray, fast_accum: bool = F
     check(out, "out", out.dtype, (M, N))
     if M == 0:
         return out
+    if fast_accum and _wgmma_plans:
+        config = _wgmma_plans.get((_rows_bucket(M), N, K, out_type))
+        if config is not None:
+            return gemm_fp8_wgmma(xq, w, out, config, pdl=pdl)
     lt = _lt_handle()
     for attempt in range(2):
         plan = lt.plan(M, N, K, out_type, fast_accum) if attempt == 0 else lt.exact(M, N, K, out_type, fast_accum)
@@ -312,3 +326,171 @@ def tune_gemm_fp8(xq: cp.ndarray, ws: list[Fp8Matrix], out: cp.ndarray, fast_acc
         return times, 0
     lt.choose(M, N, K, out_type, fast_accum, algos[best])
     return times, best
+
+
+# ---------------------------------------------------------------------------- float8 on wgmma
+# gemm_fp8.cu: the same product (the sums of the codes' products, bfloat16 or float32 out) on
+# Hopper's wgmma, its operands brought in by the bulk tensor copy engine. cuBLASLt's tiles are
+# too few for 132 SMs at 64-256 rows (8B o at 256 rows: 64 tiles); this kernel splits K over a
+# cluster and adds the parts in shared memory.
+MAX_SM_SMEM = 228 << 10  # shared memory of an SM (sm_90), for min_blocks blocks (1 KB each reserved)
+_CU_TENSOR_MAP_DATA_TYPE_UINT8, _CU_TENSOR_MAP_SWIZZLE_128B, _CU_TENSOR_MAP_L2_PROMOTION_256B = 0, 3, 3
+
+
+@dataclass(frozen=True)
+class WgmmaConfig:
+    """gemm_fp8.cu's constants: BT tokens a block (the MMA's N: 16, 32, 64, 128 or 256), RM x
+    64 weight rows a consumer warpgroup, CW consumer warpgroups, K split over SPLITS blocks of
+    a cluster, STAGES stages of KBOX 128-byte slices of K in flight, MIN_BLOCKS blocks an SM,
+    CN blocks of neighbouring weight tiles sharing each token tile (a cluster row, multicast)."""
+
+    bt: int = 64
+    rm: int = 1
+    cw: int = 2
+    splits: int = 1
+    stages: int = 4
+    kbox: int = 1
+    min_blocks: int = 1
+    cn: int = 1
+
+    @property
+    def bmw(self) -> int:
+        """Weight rows (out's columns) a block."""
+        return 64 * self.rm * self.cw
+
+    @property
+    def smem(self) -> int:
+        """Dynamic shared memory: alignment slack, the stages, their barriers (gemm_fp8.cu)."""
+        return 1024 + self.stages * (self.bmw + self.bt) * 128 * self.kbox + 16 * self.stages
+
+    def fits(self, M: int, N: int, K: int) -> bool:
+        bk = 128 * self.kbox
+        stages_bytes = self.smem - 1024 - 16 * self.stages
+        threads = 128 * (self.cw + 1)
+        registers = self.rm * self.bt // 2 + 40  # the accumulators and ~40 more a thread
+        return (wgmma_supported() and self.bt in (16, 32, 64, 128, 256)
+                and registers * threads * self.min_blocks <= 65536 and registers <= 255
+                and N % (self.bmw * self.cn) == 0 and K % bk == 0 and K // bk >= self.splits
+                and self.cn * self.splits <= 8 and (self.bt // self.cn) % 8 == 0
+                and self.smem <= MAX_BLOCK_SMEM and (self.smem + 1024) * self.min_blocks <= MAX_SM_SMEM
+                and self.bt * (self.bmw + 4) * 4 <= stages_bytes)
+
+
+@functools.lru_cache(maxsize=None)
+def _wgmma_supported(device: int) -> bool:
+    return cp.cuda.Device(device).compute_capability == "90"
+
+
+def wgmma_supported() -> bool:
+    """gemm_fp8.cu is built for sm_90a: Hopper (H100 / H200) only."""
+    return _wgmma_supported(cp.cuda.Device().id)
+
+
+_maps: dict[tuple[int, int, int, int], ByValue] = {}
+
+
+def _tensor_map(ptr: int, rows: int, cols: int, box_rows: int) -> ByValue:
+    """A 2-D tensor map over row-major uint8 (rows, cols) at ptr: boxes of 128 bytes x box_rows
+    rows, 128-byte swizzle (gemm_fp8.cu's tiles); rows past `rows` read as zeros. Made once per
+    (buffer, shape): a step's rows change, its buffers do not."""
+    key = (ptr, rows, cols, box_rows)
+    tmap = _maps.get(key)
+    if tmap is None:
+        tmap = ByValue(128)
+        driver = _cuda_driver()
+        fn = driver.cuTensorMapEncodeTiled
+        u32, u64 = ctypes.c_uint32, ctypes.c_uint64
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int, u32, ctypes.c_void_p, ctypes.POINTER(u64), ctypes.POINTER(u64),
+                       ctypes.POINTER(u32), ctypes.POINTER(u32), ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        status = fn(tmap.address, _CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, ctypes.c_void_p(ptr), (u64 * 2)(cols, rows),
+                    (u64 * 1)(cols), (u32 * 2)(128, box_rows), (u32 * 2)(1, 1), 0, _CU_TENSOR_MAP_SWIZZLE_128B,
+                    _CU_TENSOR_MAP_L2_PROMOTION_256B, 0)
+        if status:
+            raise RuntimeError(f"cuTensorMapEncodeTiled failed ({status}) for ({rows} x {cols}) at {ptr:#x}")
+        _maps[key] = tmap
+    return tmap
+
+
+def gemm_fp8_wgmma(xq: cp.ndarray, w: Fp8Matrix, out: cp.ndarray, config: WgmmaConfig = WgmmaConfig(),
+                   pdl: bool = False) -> cp.ndarray:
+    """gemm_fp8's product (out = the sums of xq @ w.data^T, float32 or bfloat16 bits) through
+    gemm_fp8.cu on wgmma; `config` must fit (M, N, K) (WgmmaConfig.fits)."""
+    M, K = xq.shape
+    N = w.shape[0]
+    if w.shape[1] != K or not config.fits(M, N, K):
+        raise ValueError(f"gemm_fp8_wgmma: {config} does not fit ({M}x{K}) @ ({N}x{w.shape[1]})^T")
+    check(xq, "xq", np.uint8)
+    check(w.data, "w.data", np.uint8)
+    out_type = _out_type(out, (np.float32, np.uint16))
+    check(out, "out", out.dtype, (M, N))
+    if M == 0:
+        return out
+    mod = module("gemm_fp8", arch="sm_90a", BT=config.bt, RM=config.rm, CW=config.cw, SPLITS=config.splits,
+                 STAGES=config.stages, KBOX=config.kbox, MIN_BLOCKS=config.min_blocks, CN=config.cn,
+                 OUT_F32=int(out_type == CUDA_R_32F))
+    kernel = function(mod, "gemm_fp8_wgmma", config.smem)
+    grid = (-(-M // config.bt), N // config.bmw, config.splits)
+    args = (_tensor_map(xq.data.ptr, M, K, config.bt // config.cn), _tensor_map(w.data.data.ptr, N, K, config.bmw), out,
+            i32(M), i32(N), i32(K))
+    launch(kernel, grid, (128 * (config.cw + 1),), args, shared_mem=config.smem, pdl=pdl)
+    return out
+
+
+# Candidates for each bucket of rows (WgmmaConfig fields bt, rm, cw, splits, stages, kbox,
+# min_blocks): the fastest few for the 8B shapes in a search over ~340 configurations (H200,
+# docs/performance.md, twenty-ninth session); those that do not fit a shape are skipped.
+WGMMA_CANDIDATES = {
+    32: [(32, 1, 1, 1, 9, 2, 1), (32, 1, 1, 2, 4, 2, 2), (32, 1, 1, 3, 4, 2, 2)],
+    64: [(64, 1, 1, 1, 7, 2, 1), (64, 1, 1, 2, 6, 1, 2), (64, 1, 1, 2, 7, 2, 1), (64, 2, 2, 1, 5, 1, 1)],
+    128: [(128, 1, 1, 2, 4, 1, 2), (128, 2, 2, 1, 4, 1, 1), (128, 1, 1, 2, 9, 1, 1)],
+    256: [(128, 1, 1, 1, 4, 1, 2), (128, 1, 1, 1, 9, 1, 1), (256, 1, 2, 1, 4, 1, 1), (256, 1, 1, 2, 5, 1, 1)],
+}
+_wgmma_plans: dict[tuple[int, int, int, int], WgmmaConfig] = {}
+
+
+def _graph_us(launch_all, stream: cp.cuda.Stream, reps: int = 5) -> float:
+    """Median microseconds of launch_all() (a product over each of a few matrices) replayed as a
+    CUDA graph captured on `stream`, per call of launch_all: what a captured step pays, without
+    the host's launch costs (an eager launch of gemm_fp8.cu through ctypes costs ~20 us)."""
+    with stream:
+        launch_all()  # builds and plans outside the capture
+        stream.begin_capture()
+        launch_all()
+        graph = stream.end_capture()
+        graph.launch(stream)
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        runs = []
+        for _ in range(reps):
+            start.record(stream)
+            graph.launch(stream)
+            end.record(stream)
+            end.synchronize()
+            runs.append(cp.cuda.get_elapsed_time(start, end) * 1e3)
+    return sorted(runs)[len(runs) // 2]
+
+
+def tune_gemm_fp8_wgmma(xq: cp.ndarray, ws: list[Fp8Matrix], out: cp.ndarray, stream: cp.cuda.Stream,
+                        pdl: bool = False) -> tuple[float, dict[WgmmaConfig, float], WgmmaConfig | None]:
+    """Time gemm_fp8 with fast accumulation (cuBLASLt, as tuned) and gemm_fp8.cu's candidates for
+    xq's bucket of rows (WGMMA_CANDIDATES) over the matrices ws, each as a captured graph, and
+    run this shape's products of that bucket on the fastest candidate from now on when it beats
+    cuBLASLt by TUNE_MIN_GAIN. xq should hold data (not zeros). Returns cuBLASLt's microseconds
+    a product, each fitting candidate's, and the configuration now used (None: cuBLASLt)."""
+    M, K = xq.shape
+    N = ws[0].shape[0]
+    key = (_rows_bucket(M), N, K, _out_type(out, (np.float32, np.uint16)))
+    _wgmma_plans.pop(key, None)
+    per = len(ws)
+    lt_us = _graph_us(lambda: [gemm_fp8(xq, w, out, True) for w in ws], stream) / per
+    times = {}
+    if wgmma_supported():
+        for fields in WGMMA_CANDIDATES.get(key[0], []):
+            config = WgmmaConfig(*fields)
+            if config.fits(M, N, K):
+                times[config] = _graph_us(lambda c=config: [gemm_fp8_wgmma(xq, w, out, c, pdl) for w in ws],
+                                          stream) / per
+    best = min(times, key=times.__getitem__, default=None)
+    if best is None or not times[best] < (1.0 - TUNE_MIN_GAIN) * lt_us:
+        return lt_us, times, None
+    _wgmma_plans[key] = best
+    return lt_us, times, best

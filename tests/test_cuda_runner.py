@@ -143,27 +143,25 @@ def test_tiny_models_match_the_numpy_runner(tmp_path, name, kv_dtype, quant, dty
         assert cos.min() >= 0.999 and agree >= (0.95 if dtype else 0.99)
 
 
-def test_bfloat16_decode_graph_past_the_skinny_gemm(tmp_path):
-    """24 decode rows of a bfloat16 checkpoint replay the 32-row bucket's graph, whose residual
-    stream is bfloat16 (more than GEMV_MAX_ROWS rows): close to the NumPy runner, and the bits of
-    the eager path."""
+def decode_graph_against_eager(model, n: int, steps: int = 3, **runner_args) -> np.ndarray:
+    """n decode rows (more than GEMV_MAX_ROWS: a captured bucket past the skinny GEMM) after a
+    prefill, through a graphed runner and an eager one: their logits must be the same bits.
+    Returns the cosines of the graphed logits to the NumPy runner's."""
     from engine.runner.cuda_runner import GEMV_MAX_ROWS
-    model = load_model(str(build_tiny_model(tmp_path, "llama", seed=5, dtype="bfloat16")), with_tokenizer=False)
-    n = 24
     assert n > GEMV_MAX_ROWS
     ref_runner = NumpyRunner(model.config, model.weights, num_kv_slots=REGION * n, max_model_len=REGION,
                              progress=False)
-    graphed = cuda_runner(model, max_model_len=REGION, max_num_seqs=32)
-    eager = cuda_runner(model, max_model_len=REGION, max_num_seqs=32, eager=True)
-    assert graphed.graphs and graphed._residual(n).dtype == np.uint16
+    graphed = cuda_runner(model, max_model_len=REGION, max_num_seqs=32, **runner_args)
+    eager = cuda_runner(model, max_model_len=REGION, max_num_seqs=32, eager=True, **runner_args)
+    assert graphed.graphs
     r = np.random.default_rng(7)
-    prompts = [r.integers(0, VOCAB, k).tolist() for k in [11] * 16 + [10] * 8]  # 256 tokens: a captured count
+    prompts = [r.integers(0, VOCAB, k).tolist() for k in [11] * 16 + [10] * (n - 16)]
     for runner in (ref_runner, graphed, eager):
         runner.forward(prefill_step(prompts))
     pos = [len(p) for p in prompts]
     greedy = SamplingParams(temperature=0)
     ref, got = [], []
-    for step in range(3):
+    for step in range(steps):
         tokens = r.integers(0, VOCAB, n).tolist()
         ref.append(ref_runner.forward(decode_step(tokens, [p + step for p in pos])))
         logits = []
@@ -175,9 +173,37 @@ def test_bfloat16_decode_graph_past_the_skinny_gemm(tmp_path):
             logits.append(cp.asnumpy(runner.buffers.logits[:n]))
         np.testing.assert_array_equal(logits[0], logits[1])
         got.append(logits[0])
-    cos = cosines(np.concatenate(got), np.concatenate(ref))
-    print(f"bfloat16, {n} decode rows: min cosine {cos.min():.5f}")
+    return cosines(np.concatenate(got), np.concatenate(ref))
+
+
+def test_bfloat16_decode_graph_past_the_skinny_gemm(tmp_path):
+    """24 decode rows of a bfloat16 checkpoint replay the 32-row bucket's graph, whose residual
+    stream is bfloat16 (more than GEMV_MAX_ROWS rows): close to the NumPy runner, and the bits of
+    the eager path (a prefill of 256 tokens: a captured count)."""
+    model = load_model(str(build_tiny_model(tmp_path, "llama", seed=5, dtype="bfloat16")), with_tokenizer=False)
+    cos = decode_graph_against_eager(model, 24)
+    print(f"bfloat16, 24 decode rows: min cosine {cos.min():.5f}")
     assert cos.min() >= 0.999
+
+
+def test_fp8_products_on_wgmma_in_the_decode_graph(tmp_path, monkeypatch):
+    """--quantization fp8 with gemm_fp8.cu made to win every tuning (gemm.TUNE_MIN_GAIN -1): the
+    decode buckets' products of a model whose shapes fit it (K a multiple of 128, features of 64)
+    run on wgmma, launched with PDL in the graphs and without in the eager runner, with the same
+    bits; close to the NumPy runner as the fp8 products through cuBLASLt are."""
+    from kernels_cuda import gemm as G
+    if not G.wgmma_supported():
+        pytest.skip("gemm_fp8.cu needs an sm_90 GPU")
+    monkeypatch.setattr(G, "TUNE_MIN_GAIN", -1.0)
+    monkeypatch.setattr(G, "_wgmma_plans", {})
+    path = build_tiny_model(tmp_path, "llama", seed=5, config=dict(hidden_size=256, intermediate_size=512,
+                                                                   num_attention_heads=4, num_key_value_heads=2))
+    model = load_model(str(path), with_tokenizer=False)
+    cos = decode_graph_against_eager(model, 24, quantization="fp8")
+    shapes = {(512, 256), (256, 256), (1024, 256), (256, 512)}  # qkv, o, gate/up, down: (N, K)
+    assert {(n, k) for m, n, k, _ in G._wgmma_plans if m == 32} == shapes
+    print(f"fp8 products on wgmma, 24 decode rows: min cosine {cos.min():.5f}, mean {cos.mean():.5f}")
+    assert cos.mean() >= 0.99 and cos.min() >= 0.95
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])

@@ -890,6 +890,84 @@ def test_flash_prefill(kv8, heads, window):
                 np.testing.assert_allclose(got[t, h], ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
 
 
+def random_codes(shape, sparse: bool = False) -> np.ndarray:
+    """e4m3 codes of random values (no NaN codes); sparse: 0 or +-1 with 1 in 5 nonzero, so
+    that every sum of products is a small integer, exact in any order and in bfloat16."""
+    if sparse:
+        return np.array([0x00, 0x38, 0xB8], np.uint8)[rng.integers(0, 3, shape) * (rng.random(shape) < 0.2)]
+    return (rng.integers(0, 0x7E, shape) | (rng.integers(0, 2, shape) << 7)).astype(np.uint8)
+
+
+# gemm_fp8.cu configurations (WgmmaConfig fields: bt, rm, cw, splits, stages, kbox, min_blocks,
+# cn): each token tile (16-256), 1-2 warpgroups of 1-2 m64 tiles, K split over a cluster,
+# two slices of K a stage, two blocks an SM, token tiles multicast to 2 and 4 blocks
+WGMMA_CONFIGS = [(16, 1, 1, 4, 4, 1, 1, 2), (32, 1, 1, 1, 4, 2, 1), (32, 1, 1, 3, 4, 2, 2),
+                 (64, 2, 2, 1, 3, 1, 1), (128, 1, 1, 2, 4, 1, 2, 2), (128, 2, 2, 1, 4, 1, 1, 2),
+                 (256, 1, 2, 2, 3, 1, 1), (64, 1, 1, 2, 6, 1, 1, 4)]
+
+
+@pytest.mark.parametrize("fields", WGMMA_CONFIGS, ids=lambda f: "-".join(map(str, f)))
+def test_gemm_fp8_wgmma(fields):
+    """gemm_fp8.cu, the fp8 product on wgmma (sm_90a), two token tiles of which the second is
+    partial: sparse codes give integer sums, which must come out exact (float32 and bfloat16);
+    random codes stay within the unpromoted MMA sums' drift from the exact ones (as cuBLASLt's
+    fast accumulation), and the bfloat16 output is the float32 one rounded. Rows past M are
+    not written."""
+    from kernels_cuda import gemm as G
+    from kernels_cuda.quant import Fp8Matrix
+    if not G.wgmma_supported():
+        pytest.skip("gemm_fp8.cu needs an sm_90 GPU")
+    config = G.WgmmaConfig(*fields)
+    M, N, K = 2 * config.bt - 5, 2 * config.bmw * config.cn, 3 * 128 * config.kbox * config.splits
+    assert config.fits(M, N, K)
+    for sparse in (True, False):
+        xq, wq = random_codes((M, K), sparse), random_codes((N, K), sparse)
+        w = Fp8Matrix(cp.asarray(wq), cp.ones(N, np.float32))
+        ref = E4M3[xq].astype(np.float64) @ E4M3[wq].T.astype(np.float64)
+        outs = []
+        for dtype in (np.float32, np.uint16):
+            buf = cp.full((M + 3, N), 12345, dtype)
+            G.gemm_fp8_wgmma(cp.asarray(xq), w, buf[:M], config)
+            assert bool((buf[M:] == 12345).all())
+            outs.append(from_dev(buf[:M]))
+        out32, out16 = outs
+        if sparse:
+            np.testing.assert_array_equal(out32, ref)
+            np.testing.assert_array_equal(out16, ref)
+        else:
+            assert float(np.sqrt(((out32 - ref) ** 2).mean() / (ref ** 2).mean())) < 1e-2
+            np.testing.assert_array_equal(out16, rounded(out32, "bfloat16"))
+
+
+def test_tuned_wgmma_product_serves_gemm_fp8(monkeypatch):
+    """tune_gemm_fp8_wgmma times cuBLASLt and the bucket's gemm_fp8.cu candidates as captured
+    graphs and, when one wins (here whatever its gain), gemm_fp8 with fast accumulation runs it for
+    every row count of the bucket, in the bits of gemm_fp8_wgmma; promoted sums stay on
+    cuBLASLt."""
+    from kernels_cuda import gemm as G
+    from kernels_cuda.quant import Fp8Matrix
+    if not G.wgmma_supported():
+        pytest.skip("gemm_fp8.cu needs an sm_90 GPU")
+    monkeypatch.setattr(G, "TUNE_MIN_GAIN", -1.0)
+    monkeypatch.setattr(G, "_wgmma_plans", {})
+    monkeypatch.setattr(G, "WGMMA_CANDIDATES", {64: [(64, 1, 1, 1, 4, 1, 1), (64, 1, 1, 2, 4, 1, 2)]})
+    K, N = 1024, 512
+    ws = [Fp8Matrix(cp.asarray(random_codes((N, K))), cp.ones(N, np.float32)) for _ in range(3)]
+    xq = cp.asarray(random_codes((64, K)))
+    lt_us, times, config = G.tune_gemm_fp8_wgmma(xq, ws, cp.zeros((64, N), np.uint16), cp.cuda.Stream(), pdl=True)
+    assert lt_us > 0 and len(times) == 2 and config is not None and times[config] == min(times.values())
+    for M in (40, 64):
+        got = G.gemm_fp8(xq[:M], ws[1], cp.zeros((M, N), np.uint16), fast_accum=True)
+        want = G.gemm_fp8_wgmma(xq[:M], ws[1], cp.zeros((M, N), np.uint16), config)
+        np.testing.assert_array_equal(cp.asnumpy(got), cp.asnumpy(want))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("promoted sums ran on gemm_fp8.cu")
+
+    monkeypatch.setattr(G, "gemm_fp8_wgmma", refuse)
+    G.gemm_fp8(xq, ws[1], cp.zeros((64, N), np.uint16), fast_accum=False)
+
+
 @pytest.mark.parametrize("fast", [False, True])
 def test_tuned_fp8_product_algorithm(monkeypatch, fast):
     """tune_gemm_fp8 times the heuristic's algorithms over several matrices and keeps the

@@ -40,7 +40,7 @@ from kernels_cuda.flash_decode import MAX_SPLITS as FLASH_MAX_SPLITS
 from kernels_cuda.flash_decode import flash_decode
 from kernels_cuda.flash_prefill import BLOCK_M as PREFILL_TILE
 from kernels_cuda.flash_prefill import flash_prefill, tiles
-from kernels_cuda.gemm import gemm, gemm_fp8, tune_gemm_fp8
+from kernels_cuda.gemm import gemm, gemm_fp8, tune_gemm_fp8, tune_gemm_fp8_wgmma, wgmma_supported
 from kernels_cuda.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from kernels_cuda.gemv import NormIn, gemv, gemv_rope, gemv_silu
 from kernels_cuda.quant import Fp8Matrix, quantize_matrix, quantize_rows
@@ -122,6 +122,11 @@ FUSE_MLP = False
 # Steps of fewer rows (the skinny GEMM's, whose fused norms fold the stream into their
 # products) keep float32. False: float32 everywhere, as before.
 RESIDUAL_16 = True
+
+# --quantization fp8 with fast accumulation: whether the decode buckets' products also time
+# gemm_fp8.cu (wgmma, Hopper) against cuBLASLt at start and run it where it is faster
+# (gemm.tune_gemm_fp8_wgmma; docs/performance.md, twenty-ninth session)
+FP8_WGMMA = True
 
 # The roofline gauge (last_roofline_fraction, /metrics) times one decode step in this many: a
 # step's pair of timing events costs ~3 us of device time (H200, SmolLM2 at one row, a 400 us
@@ -700,7 +705,7 @@ class CudaRunner:
             b = self.buffers
             xq, x_scale = xq if xq is not None else quantize_rows(x, b.act_q[:x.size].reshape(x.shape),
                                                                   b.act_scale[:n], pdl=self._launch_pdl)
-            gemm_fp8(xq, w, out, self.fp8_fast_accum)
+            gemm_fp8(xq, w, out, self.fp8_fast_accum, pdl=self._launch_pdl if pdl is None else pdl)
             return x_scale, w.scale
         else:
             gemm(x, w, out)
@@ -956,7 +961,8 @@ class CudaRunner:
     def _tune_products(self) -> None:
         """--quantization fp8: each layer product's cuBLASLt algorithm for the decode buckets
         over GEMV_MAX_ROWS rows, timed over the layers' matrices (gemm.tune_gemm_fp8) instead of
-        the heuristic's first guess; its input holds random e4m3 codes while timed."""
+        the heuristic's first guess, then against gemm_fp8.cu's candidates (FP8_WGMMA); its
+        input holds random e4m3 codes while timed."""
         cfg, b, layers = self.config, self.buffers, self.weights.layers
         sizes = [m for m in BUCKETS if GEMV_MAX_ROWS < m <= self.rows]
         if not sizes:
@@ -966,18 +972,27 @@ class CudaRunner:
             codes = cp.random.randint(0, 0x7E, n, dtype=np.uint8)  # no NaN codes (0x7F, 0xFF)
             b.act_q[:n] = codes | (cp.random.randint(0, 2, n, dtype=np.uint8) << 7)
             saved = dict.fromkeys(sizes, 0.0)  # us a step against the heuristic's first choices
+            wgmma_saved = dict.fromkeys(sizes, 0.0)  # and then against cuBLASLt (graph-timed)
             for m in sizes:
                 for name, width, out in (("qkv_proj", cfg.hidden_size, self._product("qkv", m)),
                                          ("o_proj", cfg.q_size, self._product("o", m)),
                                          ("gate_up_proj", cfg.hidden_size, self._product("gate_up", m)),
                                          ("down_proj", cfg.intermediate_size, self._product("down", m))):
                     xq = b.act_q[:m * width].reshape(m, width)
-                    times, used = tune_gemm_fp8(xq, [getattr(x, name) for x in layers], out, self.fp8_fast_accum)
+                    mats = [getattr(x, name) for x in layers]
+                    times, used = tune_gemm_fp8(xq, mats, out, self.fp8_fast_accum)
                     log.debug("fp8 %s at %d rows: %s us, #%d used", name, m, ", ".join(f"{t:.1f}" for t in times), used)
                     saved[m] += (times[0] - times[used]) * len(layers)
+                    if FP8_WGMMA and self.fp8_fast_accum and wgmma_supported():  # where it beats cuBLASLt
+                        lt_us, wg_times, config = tune_gemm_fp8_wgmma(xq, mats, out, self.stream, self.pdl)
+                        log.debug("fp8 %s at %d rows: cuBLASLt %.1f us, gemm_fp8.cu %s; %s used", name, m, lt_us,
+                                  ", ".join(f"{t:.1f}" for t in wg_times.values()), config or "cuBLASLt")
+                        if config is not None:
+                            wgmma_saved[m] += (lt_us - wg_times[config]) * len(layers)
             self.stream.synchronize()
-        log.info("fp8 products: cuBLASLt algorithms timed; us a step saved by rows: %s",
-                 ", ".join(f"{m}: {us:.0f}" for m, us in saved.items()))
+        log.info("fp8 products: cuBLASLt algorithms timed; us a step saved by rows: %s; by gemm_fp8.cu after: %s",
+                 ", ".join(f"{m}: {us:.0f}" for m, us in saved.items()),
+                 ", ".join(f"{m}: {us:.0f}" for m, us in wgmma_saved.items()))
 
     def _capture_graphs(self) -> None:
         """One graph of _decode_body per bucket, its kernels launched with programmatic

@@ -1,0 +1,417 @@
+// out (M, N) = xq (M, K) @ w (N, K)^T over e4m3 codes, on Hopper's wgmma (sm_90a): the float8
+// product of steps of 17-256 rows (gemm.py). The sums only, as cuBLASLt's gemm_fp8 gives them:
+// the readers apply the scales.
+//
+// The weights are the MMA's A operand and the tokens its B (out^T = w xq^T), so a step's few
+// tokens are the MMA's N: m64nBTk32 with BT, the tokens a block, a multiple of 16 up to 256,
+// wastes nothing at small steps. A block takes BMW = 64 * RM * CW weight rows (features), BT
+// tokens, and 1/SPLITS of K. Both operands come in through the bulk tensor copy engine (2-D
+// tensor maps, 128-byte swizzle, KBOX 128-byte slices of K a stage) on full/empty mbarrier
+// pairs, STAGES deep; warp 0 of warpgroup 0 issues them, and the CW warpgroups after it each
+// multiply RM x 64 weight rows by the BT tokens (accumulators in registers). The weights' first
+// stages are asked for before the wait for the previous kernel (PDL): nothing writes them.
+// The sums go through shared memory, transposed to out's rows. SPLITS > 1: the SPLITS blocks of
+// a tile form a cluster along z, and each adds its share of the tile's tokens over the cluster
+// (rank order: the same bits every time) before writing them.
+// -DOUT_F32=1: float32 out; else bfloat16 (the runner's fp8 products).
+#include "cluster.cuh"
+
+#ifndef BT
+#define BT 64
+#endif
+#ifndef RM
+#define RM 1
+#endif
+#ifndef CW
+#define CW 2
+#endif
+#ifndef STAGES
+#define STAGES 4
+#endif
+#ifndef SPLITS
+#define SPLITS 1
+#endif
+#ifndef KBOX
+#define KBOX 1  // 128-byte slices of K a stage (a tile of each operand per slice)
+#endif
+#ifndef CN
+#define CN 1  // blocks of neighbouring weight tiles that share each token tile (multicast)
+#endif
+#define CLUSTER_SIZE (CN * SPLITS)
+#define X_SLICE (BT / CN)             // token rows a block brings in for its cluster row
+#ifndef MIN_BLOCKS
+#define MIN_BLOCKS 1  // blocks an SM (registers capped to fit; the shared memory must fit too)
+#endif
+#ifndef OUT_F32
+#define OUT_F32 0
+#endif
+#define BMW (64 * RM * CW)           // weight rows (out's columns) a block
+#define BOX 128                      // bytes (e4m3 values) of K a tile: one swizzle row
+#define BK (BOX * KBOX)              // K a stage
+#define W_TILE (BMW * BOX)
+#define X_TILE (BT * BOX)
+#define W_BYTES (W_TILE * KBOX)
+#define STAGE_BYTES ((W_TILE + X_TILE) * KBOX)
+#define THREADS (128 * (CW + 1))
+#define RED_STRIDE (BMW + 4)         // floats a token's row of the sums in shared memory (padded)
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define WGMMA_OK 1
+#else
+#define WGMMA_OK 0
+#endif
+
+// the 128-byte CUtensorMap, passed by value (__grid_constant__): its address is the copy's
+struct __align__(64) tensor_map {
+    unsigned long long raw[16];
+};
+
+// shared-memory matrix descriptor of a K-major tile of 128-byte rows, 128-byte swizzle: 8-row
+// groups 1,024 bytes apart; the tile starts on a 1,024-byte boundary, and a k32 step within the
+// row advances the start by 32 bytes
+__device__ __forceinline__ unsigned long long smem_desc(const void *p) {
+    const unsigned long long addr = smem_addr(p);
+    return ((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((1024ull >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void mbar_init_count(unsigned long long *bar, unsigned count) {
+#if WGMMA_OK
+    asm volatile("mbarrier.init.shared.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void mbar_arrive(unsigned long long *bar) {
+#if WGMMA_OK
+    asm volatile("mbarrier.arrive.shared.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void tma_load_2d(void *dst, const tensor_map *map, int c0, int c1,
+                                            unsigned long long *bar) {
+#if WGMMA_OK
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+        ::"r"(smem_addr(dst)), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1),
+        "r"(smem_addr(bar))
+        : "memory");
+#endif
+}
+
+// the same box into each block of ctaMask at this block's shared-memory offsets, completing on
+// each one's barrier at bar's offset
+__device__ __forceinline__ void tma_load_2d_multicast(void *dst, const tensor_map *map, int c0, int c1,
+                                                      unsigned long long *bar, unsigned short mask) {
+#if WGMMA_OK
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+        " [%0], [%1, {%2, %3}], [%4], %5;"
+        ::"r"(smem_addr(dst)), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1),
+        "r"(smem_addr(bar)), "h"(mask)
+        : "memory");
+#endif
+}
+
+// an arrival on the barrier at bar's offset in cluster block `rank`
+__device__ __forceinline__ void mbar_arrive_cluster(unsigned long long *bar, unsigned rank) {
+#if WGMMA_OK
+    asm volatile(
+        "{\n\t.reg .b32 remote;\n\tmapa.shared::cluster.u32 remote, %0, %1;\n\t"
+        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n\t}"
+        ::"r"(smem_addr(bar)), "r"(rank) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+#if WGMMA_OK
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_commit() {
+#if WGMMA_OK
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+#if WGMMA_OK
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+#endif
+}
+// keeps the compiler from moving accumulator reads/writes across the asynchronous MMAs
+template <int R>
+__device__ __forceinline__ void fence_acc(float (&d)[R]) {
+#pragma unroll
+    for (int i = 0; i < R; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// named barrier over the consumer warpgroups
+__device__ __forceinline__ void consumers_sync() {
+    asm volatile("bar.sync 1, %0;" ::"n"(128 * CW) : "memory");
+}
+
+// m64nBTk32, e4m3 x e4m3 -> float32, both operands from shared memory (K-major)
+__device__ __forceinline__ void wgmma_n16(float (&d)[8], unsigned long long da, unsigned long long db) {
+#if WGMMA_OK
+    asm volatile(
+        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, 1, 0;\n\t"
+        "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7"
+        "}, %8, %9, p, 1, 1;\n\t}"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "l"(da), "l"(db));
+#endif
+}
+
+__device__ __forceinline__ void wgmma_n32(float (&d)[16], unsigned long long da, unsigned long long db) {
+#if WGMMA_OK
+    asm volatile(
+        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, 1, 0;\n\t"
+        "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+        "}, %16, %17, p, 1, 1;\n\t}"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "l"(da), "l"(db));
+#endif
+}
+
+__device__ __forceinline__ void wgmma_n64(float (&d)[32], unsigned long long da, unsigned long long db) {
+#if WGMMA_OK
+    asm volatile(
+        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, 1, 0;\n\t"
+        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, %32, %33, p, 1, 1;\n\t}"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db));
+#endif
+}
+
+__device__ __forceinline__ void wgmma_n128(float (&d)[64], unsigned long long da, unsigned long long db) {
+#if WGMMA_OK
+    asm volatile(
+        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, 1, 0;\n\t"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, %64, %65, p, 1, 1;\n\t}"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db));
+#endif
+}
+
+__device__ __forceinline__ void wgmma_n256(float (&d)[128], unsigned long long da, unsigned long long db) {
+#if WGMMA_OK
+    asm volatile(
+        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, 1, 0;\n\t"
+        "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+        "}, %128, %129, p, 1, 1;\n\t}"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(da), "l"(db));
+#endif
+}
+
+#define WGMMA_N(n) wgmma_n##n
+#define WGMMA_T(n) WGMMA_N(n)
+#define WGMMA WGMMA_T(BT)
+#define ACC (BT / 2)  // accumulators a thread for m64 x BT over a warpgroup's 128 threads
+
+#if CLUSTER_SIZE > 1 && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900)
+#define SPLIT_CLUSTER __cluster_dims__(1, CN, SPLITS)
+#else
+#define SPLIT_CLUSTER
+#endif
+
+// the block's whole cluster at a barrier (a plain block barrier when the cluster is one block)
+__device__ __forceinline__ void all_sync() {
+#if CLUSTER_SIZE > 1
+    cluster_sync();
+#else
+    __syncthreads();
+#endif
+}
+
+// Dynamic shared memory (gemm.py's WgmmaConfig.smem must agree): up to 1,024 bytes to align the
+// tiles, STAGES x (KBOX weight tiles BMW x 128, KBOX token tiles BT x 128), then STAGES full and
+// STAGES empty barriers. After the last stage the tiles hold the sums, float32 [BT][RED_STRIDE].
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) SPLIT_CLUSTER
+gemm_fp8_wgmma(const __grid_constant__ tensor_map map_x, const __grid_constant__ tensor_map map_w,
+               void *__restrict__ out, int M, int N, int K) {
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char *smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
+    unsigned long long *full = reinterpret_cast<unsigned long long *>(smem + STAGES * STAGE_BYTES);
+    unsigned long long *empty = full + STAGES;
+    const int wg = threadIdx.x / 128;
+    const int t0 = blockIdx.x * BT, n0 = blockIdx.y * BMW;  // a weight tile's token blocks run together
+    const int split = SPLITS > 1 ? (int)blockIdx.z : 0;
+    // cluster ranks run x fastest, then y, then z (x is 1 block): cy + CN * split
+    const unsigned cy = CN > 1 ? blockIdx.y % CN : 0, row_base = CN * split;
+    const int chunks = K / BK;
+    const int k_first = chunks * split / SPLITS;
+    const int nk = chunks * (split + 1) / SPLITS - k_first;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; s++) {
+            mbar_init_count(&full[s], 1);
+            mbar_init_count(&empty[s], CW * CN);  // every block of the cluster row hands a stage back
+        }
+#if WGMMA_OK
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+    }
+    all_sync();  // the peers' barriers are ready before anything is multicast to them
+
+    if (wg == 0) {
+        if (threadIdx.x == 0) {
+            const int ahead = min(nk, STAGES);
+            for (int i = 0; i < ahead; i++) {  // the weights (nothing writes them) before the wait
+                mbar_expect(&full[i], STAGE_BYTES);
+                for (int b = 0; b < KBOX; b++)
+                    tma_load_2d(smem + i * STAGE_BYTES + b * W_TILE, &map_w, (k_first + i) * BK + b * BOX, n0,
+                                &full[i]);
+            }
+            // the token tile: this block's slice of its rows, to every block of the cluster row
+            auto load_x = [&](int s, int kt) {
+                for (int b = 0; b < KBOX; b++) {
+                    unsigned char *dst = smem + s * STAGE_BYTES + W_BYTES + b * X_TILE + cy * X_SLICE * BOX;
+                    const int k = (k_first + kt) * BK + b * BOX, row = t0 + cy * X_SLICE;
+#if CN > 1
+                    tma_load_2d_multicast(dst, &map_x, k, row, &full[s], (unsigned short)(((1u << CN) - 1) << row_base));
+#else
+                    tma_load_2d(dst, &map_x, k, row, &full[s]);
+#endif
+                }
+            };
+            PDL_ENTER();
+            for (int i = 0; i < ahead; i++) load_x(i, i);
+            for (int kt = STAGES; kt < nk; kt++) {
+                const int s = kt % STAGES;
+                mbar_wait(&empty[s], ((kt / STAGES) & 1) ^ 1);
+                mbar_expect(&full[s], STAGE_BYTES);
+                for (int b = 0; b < KBOX; b++)
+                    tma_load_2d(smem + s * STAGE_BYTES + b * W_TILE, &map_w, (k_first + kt) * BK + b * BOX, n0,
+                                &full[s]);
+                load_x(s, kt);
+            }
+        } else {
+            PDL_ENTER();
+        }
+    } else {
+        PDL_ENTER();
+        const int w = wg - 1;
+        float acc[RM][ACC];
+#pragma unroll
+        for (int r = 0; r < RM; r++)
+#pragma unroll
+            for (int i = 0; i < ACC; i++) acc[r][i] = 0.0f;
+        for (int kt = 0; kt < nk; kt++) {
+            const int s = kt % STAGES;
+            mbar_wait(&full[s], (kt / STAGES) & 1);
+            const unsigned char *a = smem + s * STAGE_BYTES + w * RM * 64 * BOX;
+            const unsigned char *b = smem + s * STAGE_BYTES + W_BYTES;
+            wgmma_fence();
+#pragma unroll
+            for (int r = 0; r < RM; r++) fence_acc(acc[r]);
+#pragma unroll
+            for (int kb = 0; kb < KBOX; kb++)
+#pragma unroll
+                for (int kk = 0; kk < BOX / 32; kk++)
+#pragma unroll
+                    for (int r = 0; r < RM; r++)
+                        WGMMA(acc[r], smem_desc(a + kb * W_TILE + r * 64 * BOX + 32 * kk),
+                              smem_desc(b + kb * X_TILE + 32 * kk));
+            wgmma_commit();
+#pragma unroll
+            for (int r = 0; r < RM; r++) fence_acc(acc[r]);
+            wgmma_wait<1>();  // the stage before this one is read: hand it back
+            if (kt > 0 && threadIdx.x % 128 == 0) {
+#if CN > 1
+                for (unsigned q = 0; q < CN; q++) mbar_arrive_cluster(&empty[(kt - 1) % STAGES], row_base + q);
+#else
+                mbar_arrive(&empty[(kt - 1) % STAGES]);
+#endif
+            }
+        }
+        wgmma_wait<0>();
+#pragma unroll
+        for (int r = 0; r < RM; r++) fence_acc(acc[r]);
+        consumers_sync();  // every warpgroup is done with the tiles: they take the sums
+        float *red = reinterpret_cast<float *>(smem);
+        const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+#pragma unroll
+        for (int r = 0; r < RM; r++)
+#pragma unroll
+            for (int i = 0; i < ACC; i++) {  // acc[r][i]: weight row (out's column), token (out's row)
+                const int col = (w * RM + r) * 64 + warp * 16 + lane / 4 + 8 * ((i / 2) % 2);
+                const int tok = (i / 4) * 8 + (lane % 4) * 2 + i % 2;
+                red[tok * RED_STRIDE + col] = acc[r][i];
+            }
+    }
+    all_sync();
+    // this block's share of the tile's tokens, summed over the cluster in rank order
+    const float *red = reinterpret_cast<const float *>(smem);
+    constexpr int GROUPS = BMW / 4;
+    const int tok0 = BT * split / SPLITS, toks = BT * (split + 1) / SPLITS - tok0;
+    for (int g = threadIdx.x; g < toks * GROUPS; g += THREADS) {
+        const int t = tok0 + g / GROUPS, c = 4 * (g % GROUPS);
+        if (t0 + t >= M) continue;
+        const float *p = red + t * RED_STRIDE + c;
+        float4 v = *reinterpret_cast<const float4 *>(SPLITS > 1 ? peer(p, cy) : p);
+#pragma unroll
+        for (int q = 1; q < SPLITS; q++) {
+            const float4 x = *reinterpret_cast<const float4 *>(peer(p, cy + CN * q));
+            v.x += x.x;
+            v.y += x.y;
+            v.z += x.z;
+            v.w += x.w;
+        }
+        const long long at = (long long)(t0 + t) * N + n0 + c;
+#if OUT_F32
+        *reinterpret_cast<float4 *>(static_cast<float *>(out) + at) = v;
+#else
+        __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
+        uint2 packed;
+        packed.x = *reinterpret_cast<unsigned *>(&lo);
+        packed.y = *reinterpret_cast<unsigned *>(&hi);
+        *reinterpret_cast<uint2 *>(static_cast<__nv_bfloat16 *>(out) + at) = packed;
+#endif
+    }
+#if CLUSTER_SIZE > 1
+    cluster_sync();  // no block leaves while its peers read its sums or send it stages
+#endif
+}
