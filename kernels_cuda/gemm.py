@@ -339,10 +339,10 @@ _CU_TENSOR_MAP_DATA_TYPE_UINT8, _CU_TENSOR_MAP_SWIZZLE_128B, _CU_TENSOR_MAP_L2_P
 
 @dataclass(frozen=True)
 class WgmmaConfig:
-    """gemm_fp8.cu's constants: BT tokens a block (the MMA's N: 16, 32, 64, 128 or 256), RM x
-    64 weight rows a consumer warpgroup, CW consumer warpgroups, K split over SPLITS blocks of
+    """gemm_fp8.cu's constants: BT tokens a block (the MMA's N: 16, 32, 64, 128 or 256, halved
+    with TSPLIT 2), RM x 64 weight rows a consumer warpgroup, CW consumer warpgroups, K split over SPLITS blocks of
     a cluster, STAGES stages of KBOX 128-byte slices of K in flight, MIN_BLOCKS blocks an SM,
-    CN blocks of neighbouring weight tiles sharing each token tile (a cluster row, multicast)."""
+    TSPLIT 2: the warpgroups in pairs on the same weight rows, half the tokens each."""
 
     bt: int = 64
     rm: int = 1
@@ -351,12 +351,12 @@ class WgmmaConfig:
     stages: int = 4
     kbox: int = 1
     min_blocks: int = 1
-    cn: int = 1
+    tsplit: int = 1
 
     @property
     def bmw(self) -> int:
         """Weight rows (out's columns) a block."""
-        return 64 * self.rm * self.cw
+        return 64 * self.rm * self.cw // self.tsplit
 
     @property
     def smem(self) -> int:
@@ -367,11 +367,11 @@ class WgmmaConfig:
         bk = 128 * self.kbox
         stages_bytes = self.smem - 1024 - 16 * self.stages
         threads = 128 * (self.cw + 1)
-        registers = self.rm * self.bt // 2 + 40  # the accumulators and ~40 more a thread
-        return (wgmma_supported() and self.bt in (16, 32, 64, 128, 256)
+        nt = self.bt // self.tsplit  # the MMA's N
+        registers = self.rm * nt // 2 + 40  # the accumulators and ~40 more a thread
+        return (wgmma_supported() and self.cw % self.tsplit == 0 and nt in (16, 32, 64, 128, 256)
                 and registers * threads * self.min_blocks <= 65536 and registers <= 255
-                and N % (self.bmw * self.cn) == 0 and K % bk == 0 and K // bk >= self.splits
-                and self.cn * self.splits <= 8 and (self.bt // self.cn) % 8 == 0
+                and N % self.bmw == 0 and K % bk == 0 and K // bk >= self.splits and self.splits <= 8
                 and self.smem <= MAX_BLOCK_SMEM and (self.smem + 1024) * self.min_blocks <= MAX_SM_SMEM
                 and self.bt * (self.bmw + 4) * 4 <= stages_bytes)
 
@@ -426,24 +426,24 @@ def gemm_fp8_wgmma(xq: cp.ndarray, w: Fp8Matrix, out: cp.ndarray, config: WgmmaC
     if M == 0:
         return out
     mod = module("gemm_fp8", arch="sm_90a", BT=config.bt, RM=config.rm, CW=config.cw, SPLITS=config.splits,
-                 STAGES=config.stages, KBOX=config.kbox, MIN_BLOCKS=config.min_blocks, CN=config.cn,
+                 STAGES=config.stages, KBOX=config.kbox, MIN_BLOCKS=config.min_blocks, TSPLIT=config.tsplit,
                  OUT_F32=int(out_type == CUDA_R_32F))
     kernel = function(mod, "gemm_fp8_wgmma", config.smem)
     grid = (-(-M // config.bt), N // config.bmw, config.splits)
-    args = (_tensor_map(xq.data.ptr, M, K, config.bt // config.cn), _tensor_map(w.data.data.ptr, N, K, config.bmw), out,
+    args = (_tensor_map(xq.data.ptr, M, K, config.bt), _tensor_map(w.data.data.ptr, N, K, 64), out,
             i32(M), i32(N), i32(K))
     launch(kernel, grid, (128 * (config.cw + 1),), args, shared_mem=config.smem, pdl=pdl)
     return out
 
 
 # Candidates for each bucket of rows (WgmmaConfig fields bt, rm, cw, splits, stages, kbox,
-# min_blocks): the fastest few for the 8B shapes in a search over ~340 configurations (H200,
+# min_blocks, tsplit): the fastest for the 8B shapes in a search over ~500 configurations (H200,
 # docs/performance.md, twenty-ninth session); those that do not fit a shape are skipped.
 WGMMA_CANDIDATES = {
     32: [(32, 1, 1, 1, 9, 2, 1), (32, 1, 1, 2, 4, 2, 2), (32, 1, 1, 3, 4, 2, 2)],
-    64: [(64, 1, 1, 1, 7, 2, 1), (64, 1, 1, 2, 6, 1, 2), (64, 1, 1, 2, 7, 2, 1), (64, 2, 2, 1, 5, 1, 1)],
+    64: [(64, 1, 1, 1, 7, 2, 1), (64, 1, 1, 2, 6, 1, 2), (64, 2, 1, 1, 4, 1, 2), (64, 1, 1, 2, 12, 1, 1)],
     128: [(128, 1, 1, 2, 4, 1, 2), (128, 2, 2, 1, 4, 1, 1), (128, 1, 1, 2, 9, 1, 1)],
-    256: [(128, 1, 1, 1, 4, 1, 2), (128, 1, 1, 1, 9, 1, 1), (256, 1, 2, 1, 4, 1, 1), (256, 1, 1, 2, 5, 1, 1)],
+    256: [(128, 1, 1, 1, 4, 1, 2), (128, 1, 1, 1, 9, 1, 1), (256, 1, 2, 1, 4, 1, 1), (256, 1, 2, 2, 5, 1, 1, 2)],
 }
 _wgmma_plans: dict[tuple[int, int, int, int], WgmmaConfig] = {}
 

@@ -3,13 +3,14 @@
 // the readers apply the scales.
 //
 // The weights are the MMA's A operand and the tokens its B (out^T = w xq^T), so a step's few
-// tokens are the MMA's N: m64nBTk32 with BT, the tokens a block, a multiple of 16 up to 256,
-// wastes nothing at small steps. A block takes BMW = 64 * RM * CW weight rows (features), BT
-// tokens, and 1/SPLITS of K. Both operands come in through the bulk tensor copy engine (2-D
-// tensor maps, 128-byte swizzle, KBOX 128-byte slices of K a stage) on full/empty mbarrier
-// pairs, STAGES deep; warp 0 of warpgroup 0 issues them, and the CW warpgroups after it each
-// multiply RM x 64 weight rows by the BT tokens (accumulators in registers). The weights' first
-// stages are asked for before the wait for the previous kernel (PDL): nothing writes them.
+// tokens are the MMA's N: m64nNTk32 with NT = BT / TSPLIT (16-256) wastes nothing at small
+// steps. A block takes BMW = 64 * RM * CW / TSPLIT weight rows (features), BT tokens and
+// 1/SPLITS of K. Both operands come in through the bulk tensor copy engine (2-D tensor maps,
+// 128-byte swizzle, KBOX 128-byte slices of K a stage; weights in boxes of 64 rows) on
+// full/empty mbarrier pairs, STAGES deep. Warp 0 of warpgroup 0 issues them; the CW warpgroups
+// after it each multiply RM x 64 weight rows by NT tokens (TSPLIT 2: two warpgroups share the
+// weight rows, half the tokens each), the accumulators in registers. The weights' first stages
+// are asked for before the wait for the previous kernel (PDL): nothing writes them.
 // The sums go through shared memory, transposed to out's rows. SPLITS > 1: the SPLITS blocks of
 // a tile form a cluster along z, and each adds its share of the tile's tokens over the cluster
 // (rank order: the same bits every time) before writing them.
@@ -34,18 +35,17 @@
 #ifndef KBOX
 #define KBOX 1  // 128-byte slices of K a stage (a tile of each operand per slice)
 #endif
-#ifndef CN
-#define CN 1  // blocks of neighbouring weight tiles that share each token tile (multicast)
-#endif
-#define CLUSTER_SIZE (CN * SPLITS)
-#define X_SLICE (BT / CN)             // token rows a block brings in for its cluster row
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 1  // blocks an SM (registers capped to fit; the shared memory must fit too)
 #endif
 #ifndef OUT_F32
 #define OUT_F32 0
 #endif
-#define BMW (64 * RM * CW)           // weight rows (out's columns) a block
+#ifndef TSPLIT
+#define TSPLIT 1  // 2: the consumer warpgroups in pairs over the same weight rows, half the tokens each
+#endif
+#define NT (BT / TSPLIT)              // tokens a warpgroup: the MMA's N
+#define BMW (64 * RM * (CW / TSPLIT)) // weight rows (out's columns) a block
 #define BOX 128                      // bytes (e4m3 values) of K a tile: one swizzle row
 #define BK (BOX * KBOX)              // K a stage
 #define W_TILE (BMW * BOX)
@@ -97,29 +97,6 @@ __device__ __forceinline__ void tma_load_2d(void *dst, const tensor_map *map, in
 #endif
 }
 
-// the same box into each block of ctaMask at this block's shared-memory offsets, completing on
-// each one's barrier at bar's offset
-__device__ __forceinline__ void tma_load_2d_multicast(void *dst, const tensor_map *map, int c0, int c1,
-                                                      unsigned long long *bar, unsigned short mask) {
-#if WGMMA_OK
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
-        " [%0], [%1, {%2, %3}], [%4], %5;"
-        ::"r"(smem_addr(dst)), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1),
-        "r"(smem_addr(bar)), "h"(mask)
-        : "memory");
-#endif
-}
-
-// an arrival on the barrier at bar's offset in cluster block `rank`
-__device__ __forceinline__ void mbar_arrive_cluster(unsigned long long *bar, unsigned rank) {
-#if WGMMA_OK
-    asm volatile(
-        "{\n\t.reg .b32 remote;\n\tmapa.shared::cluster.u32 remote, %0, %1;\n\t"
-        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n\t}"
-        ::"r"(smem_addr(bar)), "r"(rank) : "memory");
-#endif
-}
 
 __device__ __forceinline__ void wgmma_fence() {
 #if WGMMA_OK
@@ -247,20 +224,27 @@ __device__ __forceinline__ void wgmma_n256(float (&d)[128], unsigned long long d
 #endif
 }
 
-#define WGMMA_N(n) wgmma_n##n
-#define WGMMA_T(n) WGMMA_N(n)
-#define WGMMA WGMMA_T(BT)
-#define ACC (BT / 2)  // accumulators a thread for m64 x BT over a warpgroup's 128 threads
+template <int N>
+__device__ __forceinline__ void wgmma(float (&d)[N / 2], unsigned long long da, unsigned long long db) {
+    static_assert(N == 16 || N == 32 || N == 64 || N == 128 || N == 256, "the MMA's N: 16, 32, 64, 128 or 256");
+    if constexpr (N == 16) wgmma_n16(d, da, db);
+    else if constexpr (N == 32) wgmma_n32(d, da, db);
+    else if constexpr (N == 64) wgmma_n64(d, da, db);
+    else if constexpr (N == 128) wgmma_n128(d, da, db);
+    else wgmma_n256(d, da, db);
+}
+#define WGMMA wgmma<NT>
+#define ACC (NT / 2)  // accumulators a thread for m64 x NT over a warpgroup's 128 threads
 
-#if CLUSTER_SIZE > 1 && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900)
-#define SPLIT_CLUSTER __cluster_dims__(1, CN, SPLITS)
+#if SPLITS > 1 && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900)
+#define SPLIT_CLUSTER __cluster_dims__(1, 1, SPLITS)
 #else
 #define SPLIT_CLUSTER
 #endif
 
 // the block's whole cluster at a barrier (a plain block barrier when the cluster is one block)
 __device__ __forceinline__ void all_sync() {
-#if CLUSTER_SIZE > 1
+#if SPLITS > 1
     cluster_sync();
 #else
     __syncthreads();
@@ -280,42 +264,38 @@ gemm_fp8_wgmma(const __grid_constant__ tensor_map map_x, const __grid_constant__
     const int wg = threadIdx.x / 128;
     const int t0 = blockIdx.x * BT, n0 = blockIdx.y * BMW;  // a weight tile's token blocks run together
     const int split = SPLITS > 1 ? (int)blockIdx.z : 0;
-    // cluster ranks run x fastest, then y, then z (x is 1 block): cy + CN * split
-    const unsigned cy = CN > 1 ? blockIdx.y % CN : 0, row_base = CN * split;
     const int chunks = K / BK;
     const int k_first = chunks * split / SPLITS;
     const int nk = chunks * (split + 1) / SPLITS - k_first;
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; s++) {
             mbar_init_count(&full[s], 1);
-            mbar_init_count(&empty[s], CW * CN);  // every block of the cluster row hands a stage back
+            mbar_init_count(&empty[s], CW);
         }
 #if WGMMA_OK
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 #endif
     }
-    all_sync();  // the peers' barriers are ready before anything is multicast to them
+    __syncthreads();
 
     if (wg == 0) {
         if (threadIdx.x == 0) {
+            // the weight tile, in boxes of 64 rows (a tensor map's box has at most 256)
+            auto load_w = [&](int s, int kt) {
+                for (int b = 0; b < KBOX; b++)
+                    for (int r = 0; r < BMW / 64; r++)
+                        tma_load_2d(smem + s * STAGE_BYTES + b * W_TILE + r * 64 * BOX, &map_w,
+                                    (k_first + kt) * BK + b * BOX, n0 + r * 64, &full[s]);
+            };
             const int ahead = min(nk, STAGES);
             for (int i = 0; i < ahead; i++) {  // the weights (nothing writes them) before the wait
                 mbar_expect(&full[i], STAGE_BYTES);
-                for (int b = 0; b < KBOX; b++)
-                    tma_load_2d(smem + i * STAGE_BYTES + b * W_TILE, &map_w, (k_first + i) * BK + b * BOX, n0,
-                                &full[i]);
+                load_w(i, i);
             }
-            // the token tile: this block's slice of its rows, to every block of the cluster row
-            auto load_x = [&](int s, int kt) {
-                for (int b = 0; b < KBOX; b++) {
-                    unsigned char *dst = smem + s * STAGE_BYTES + W_BYTES + b * X_TILE + cy * X_SLICE * BOX;
-                    const int k = (k_first + kt) * BK + b * BOX, row = t0 + cy * X_SLICE;
-#if CN > 1
-                    tma_load_2d_multicast(dst, &map_x, k, row, &full[s], (unsigned short)(((1u << CN) - 1) << row_base));
-#else
-                    tma_load_2d(dst, &map_x, k, row, &full[s]);
-#endif
-                }
+            auto load_x = [&](int s, int kt) {  // the token tile
+                for (int b = 0; b < KBOX; b++)
+                    tma_load_2d(smem + s * STAGE_BYTES + W_BYTES + b * X_TILE, &map_x, (k_first + kt) * BK + b * BOX,
+                                t0, &full[s]);
             };
             PDL_ENTER();
             for (int i = 0; i < ahead; i++) load_x(i, i);
@@ -323,9 +303,7 @@ gemm_fp8_wgmma(const __grid_constant__ tensor_map map_x, const __grid_constant__
                 const int s = kt % STAGES;
                 mbar_wait(&empty[s], ((kt / STAGES) & 1) ^ 1);
                 mbar_expect(&full[s], STAGE_BYTES);
-                for (int b = 0; b < KBOX; b++)
-                    tma_load_2d(smem + s * STAGE_BYTES + b * W_TILE, &map_w, (k_first + kt) * BK + b * BOX, n0,
-                                &full[s]);
+                load_w(s, kt);
                 load_x(s, kt);
             }
         } else {
@@ -333,7 +311,7 @@ gemm_fp8_wgmma(const __grid_constant__ tensor_map map_x, const __grid_constant__
         }
     } else {
         PDL_ENTER();
-        const int w = wg - 1;
+        const int wr = (wg - 1) / TSPLIT, wt = (wg - 1) % TSPLIT;  // its weight rows, its tokens
         float acc[RM][ACC];
 #pragma unroll
         for (int r = 0; r < RM; r++)
@@ -342,8 +320,8 @@ gemm_fp8_wgmma(const __grid_constant__ tensor_map map_x, const __grid_constant__
         for (int kt = 0; kt < nk; kt++) {
             const int s = kt % STAGES;
             mbar_wait(&full[s], (kt / STAGES) & 1);
-            const unsigned char *a = smem + s * STAGE_BYTES + w * RM * 64 * BOX;
-            const unsigned char *b = smem + s * STAGE_BYTES + W_BYTES;
+            const unsigned char *a = smem + s * STAGE_BYTES + wr * RM * 64 * BOX;
+            const unsigned char *b = smem + s * STAGE_BYTES + W_BYTES + wt * NT * BOX;
             wgmma_fence();
 #pragma unroll
             for (int r = 0; r < RM; r++) fence_acc(acc[r]);
@@ -359,13 +337,7 @@ gemm_fp8_wgmma(const __grid_constant__ tensor_map map_x, const __grid_constant__
 #pragma unroll
             for (int r = 0; r < RM; r++) fence_acc(acc[r]);
             wgmma_wait<1>();  // the stage before this one is read: hand it back
-            if (kt > 0 && threadIdx.x % 128 == 0) {
-#if CN > 1
-                for (unsigned q = 0; q < CN; q++) mbar_arrive_cluster(&empty[(kt - 1) % STAGES], row_base + q);
-#else
-                mbar_arrive(&empty[(kt - 1) % STAGES]);
-#endif
-            }
+            if (kt > 0 && threadIdx.x % 128 == 0) mbar_arrive(&empty[(kt - 1) % STAGES]);
         }
         wgmma_wait<0>();
 #pragma unroll
@@ -377,8 +349,8 @@ gemm_fp8_wgmma(const __grid_constant__ tensor_map map_x, const __grid_constant__
         for (int r = 0; r < RM; r++)
 #pragma unroll
             for (int i = 0; i < ACC; i++) {  // acc[r][i]: weight row (out's column), token (out's row)
-                const int col = (w * RM + r) * 64 + warp * 16 + lane / 4 + 8 * ((i / 2) % 2);
-                const int tok = (i / 4) * 8 + (lane % 4) * 2 + i % 2;
+                const int col = (wr * RM + r) * 64 + warp * 16 + lane / 4 + 8 * ((i / 2) % 2);
+                const int tok = wt * NT + (i / 4) * 8 + (lane % 4) * 2 + i % 2;
                 red[tok * RED_STRIDE + col] = acc[r][i];
             }
     }
@@ -391,10 +363,10 @@ gemm_fp8_wgmma(const __grid_constant__ tensor_map map_x, const __grid_constant__
         const int t = tok0 + g / GROUPS, c = 4 * (g % GROUPS);
         if (t0 + t >= M) continue;
         const float *p = red + t * RED_STRIDE + c;
-        float4 v = *reinterpret_cast<const float4 *>(SPLITS > 1 ? peer(p, cy) : p);
+        float4 v = *reinterpret_cast<const float4 *>(SPLITS > 1 ? peer(p, 0) : p);
 #pragma unroll
         for (int q = 1; q < SPLITS; q++) {
-            const float4 x = *reinterpret_cast<const float4 *>(peer(p, cy + CN * q));
+            const float4 x = *reinterpret_cast<const float4 *>(peer(p, q));
             v.x += x.x;
             v.y += x.y;
             v.z += x.z;
@@ -411,7 +383,7 @@ gemm_fp8_wgmma(const __grid_constant__ tensor_map map_x, const __grid_constant__
         *reinterpret_cast<uint2 *>(static_cast<__nv_bfloat16 *>(out) + at) = packed;
 #endif
     }
-#if CLUSTER_SIZE > 1
-    cluster_sync();  // no block leaves while its peers read its sums or send it stages
+#if SPLITS > 1
+    cluster_sync();  // no block leaves while its peers read its sums
 #endif
 }

@@ -46,8 +46,8 @@ VARIANTS = {"flash_decode": [{"HEAD_DIM": 64, "GROUP": 3}, {"HEAD_DIM": 128, "GR
             "mlp_block": [{"HIDDEN": 576, "QW": 576, "INTER": 1536}, {"HIDDEN": 128, "QW": 192, "INTER": 256}],
             "read_patterns": [{"PATTERN": 0, "DEPTH": 8}, {"PATTERN": 3, "DEPTH": 4}, {"PATTERN": 3, "DEPTH": 8}],
             "gemm_fp8": [{"BT": 32, "CW": 1, "KBOX": 2, "MIN_BLOCKS": 2, "SPLITS": 3},
-                         {"BT": 128, "RM": 2, "CW": 2, "CN": 2}, {"BT": 256, "SPLITS": 2, "OUT_F32": 1},
-                         {"BT": 64, "CN": 4, "SPLITS": 2}]}
+                         {"BT": 128, "RM": 2, "CW": 2}, {"BT": 256, "SPLITS": 2, "OUT_F32": 1},
+                         {"BT": 64, "RM": 7, "CW": 2, "TSPLIT": 2, "STAGES": 3}]}
 FP8_ONLY = {"quant"}  # families that are all e4m3
 # families built for an architecture-specific target at run time (gemm.py: wgmma needs sm_90a);
 # built for it here too, so that the wgmma and tensor-copy code is compiled, not #if-ed away

@@ -899,11 +899,11 @@ def random_codes(shape, sparse: bool = False) -> np.ndarray:
 
 
 # gemm_fp8.cu configurations (WgmmaConfig fields: bt, rm, cw, splits, stages, kbox, min_blocks,
-# cn): each token tile (16-256), 1-2 warpgroups of 1-2 m64 tiles, K split over a cluster,
-# two slices of K a stage, two blocks an SM, token tiles multicast to 2 and 4 blocks
-WGMMA_CONFIGS = [(16, 1, 1, 4, 4, 1, 1, 2), (32, 1, 1, 1, 4, 2, 1), (32, 1, 1, 3, 4, 2, 2),
-                 (64, 2, 2, 1, 3, 1, 1), (128, 1, 1, 2, 4, 1, 2, 2), (128, 2, 2, 1, 4, 1, 1, 2),
-                 (256, 1, 2, 2, 3, 1, 1), (64, 1, 1, 2, 6, 1, 1, 4)]
+# tsplit): each token tile (16-256), 1-2 warpgroups of 1-7 m64 tiles, K split over a cluster,
+# two slices of K a stage, two blocks an SM, warpgroups halving the tokens
+WGMMA_CONFIGS = [(16, 1, 1, 4, 4, 1, 1), (32, 1, 1, 1, 4, 2, 1), (32, 1, 1, 3, 4, 2, 2),
+                 (64, 2, 2, 1, 3, 1, 1), (128, 1, 1, 2, 4, 1, 2), (256, 1, 2, 2, 3, 1, 1),
+                 (64, 7, 2, 1, 3, 1, 1, 2), (256, 1, 2, 2, 5, 1, 1, 2)]
 
 
 @pytest.mark.parametrize("fields", WGMMA_CONFIGS, ids=lambda f: "-".join(map(str, f)))
@@ -918,7 +918,7 @@ def test_gemm_fp8_wgmma(fields):
     if not G.wgmma_supported():
         pytest.skip("gemm_fp8.cu needs an sm_90 GPU")
     config = G.WgmmaConfig(*fields)
-    M, N, K = 2 * config.bt - 5, 2 * config.bmw * config.cn, 3 * 128 * config.kbox * config.splits
+    M, N, K = 2 * config.bt - 5, 2 * config.bmw, 3 * 128 * config.kbox * config.splits
     assert config.fits(M, N, K)
     for sparse in (True, False):
         xq, wq = random_codes((M, K), sparse), random_codes((N, K), sparse)
