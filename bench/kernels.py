@@ -152,8 +152,10 @@ def fp8_table(shape: dict, batches: list[int]) -> list[str]:
     """--quantization fp8's matrix products against the 16-bit ones, per matrix of a shape:
     cuBLAS fp16 vs cuBLASLt e4m3 into bfloat16 as the runner asks for it (promoted sums, fast
     accumulation, and fast accumulation with the per-token quantization of x in front: the
-    runner's default path), and the skinny GEMM on 16-bit vs e4m3 weights."""
-    from kernels_cuda.gemm import gemm, gemm_fp8
+    runner's default path), and the skinny GEMM on 16-bit vs e4m3 weights. On Hopper, up to
+    256 rows, also cuBLASLt with fast accumulation against gemm_fp8.cu's candidates for the
+    bucket, both as captured graphs (gemm.tune_gemm_fp8_wgmma: the runner's choice at start)."""
+    from kernels_cuda.gemm import WGMMA_CANDIDATES, gemm, gemm_fp8, tune_gemm_fp8_wgmma, wgmma_supported
     from kernels_cuda.gemv import MAX_ROWS, gemv
     from kernels_cuda.quant import quantize_matrix, quantize_rows
     rows = []
@@ -182,6 +184,11 @@ def fp8_table(shape: dict, batches: list[int]) -> list[str]:
                 cells.append(f"cublas fp16 {t16 * 1e3:7.1f} us ({flops / t16 / 1e9:5.0f} TFLOP/s)  lt fp8 "
                              f"{t8 * 1e3:7.1f} us ({flops / t8 / 1e9:5.0f})  fast-accum {t8f * 1e3:7.1f} us ({flops / t8f / 1e9:5.0f})  "
                              f"fast-accum +quantize x {tq * 1e3:7.1f} us ({t16 / tq:4.2f}x)")
+                if wgmma_supported() and max(16, 1 << (b - 1).bit_length()) in WGMMA_CANDIDATES:
+                    lt_us, times, _ = tune_gemm_fp8_wgmma(xq, w8, out16, cp.cuda.Stream(non_blocking=True), pdl=True)
+                    best = min(times, key=times.__getitem__, default=None)
+                    cells.append(f"graphs: lt {lt_us:6.1f} us, gemm_fp8.cu " + (
+                        f"{times[best]:6.1f} us ({lt_us / times[best]:4.2f}x; {best})" if best else "none fits"))
             rows.append(f"fp8 {name:8s} {n:6d}x{k:<6d} B={b:<5d} " + "  ".join(cells))
         del ws, w8
     return rows
