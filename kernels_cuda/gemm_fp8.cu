@@ -126,112 +126,56 @@ __device__ __forceinline__ void consumers_sync() {
     asm volatile("bar.sync 1, %0;" ::"n"(128 * CW) : "memory");
 }
 
-// m64nBTk32, e4m3 x e4m3 -> float32, both operands from shared memory (K-major)
-__device__ __forceinline__ void wgmma_n16(float (&d)[8], unsigned long long da, unsigned long long db) {
+// m64nNk32, e4m3 x e4m3 -> float32, both operands from shared memory (K-major), the sums kept
+// (scale-d 1). An asm statement's operands are literals: the accumulators go in 8 at a time,
+// WG_P<k> naming operands 8k..8k+7 and WG_F8(8k) binding them.
+#define WG_P0 "%0, %1, %2, %3, %4, %5, %6, %7"
+#define WG_P1 "%8, %9, %10, %11, %12, %13, %14, %15"
+#define WG_P2 "%16, %17, %18, %19, %20, %21, %22, %23"
+#define WG_P3 "%24, %25, %26, %27, %28, %29, %30, %31"
+#define WG_P4 "%32, %33, %34, %35, %36, %37, %38, %39"
+#define WG_P5 "%40, %41, %42, %43, %44, %45, %46, %47"
+#define WG_P6 "%48, %49, %50, %51, %52, %53, %54, %55"
+#define WG_P7 "%56, %57, %58, %59, %60, %61, %62, %63"
+#define WG_P8 "%64, %65, %66, %67, %68, %69, %70, %71"
+#define WG_P9 "%72, %73, %74, %75, %76, %77, %78, %79"
+#define WG_P10 "%80, %81, %82, %83, %84, %85, %86, %87"
+#define WG_P11 "%88, %89, %90, %91, %92, %93, %94, %95"
+#define WG_P12 "%96, %97, %98, %99, %100, %101, %102, %103"
+#define WG_P13 "%104, %105, %106, %107, %108, %109, %110, %111"
+#define WG_P14 "%112, %113, %114, %115, %116, %117, %118, %119"
+#define WG_P15 "%120, %121, %122, %123, %124, %125, %126, %127"
+#define WG_F8(i)                                                                                    \
+    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+        "+f"(d[i + 6]), "+f"(d[i + 7])
 #if WGMMA_OK
-    asm volatile(
-        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, 1, 0;\n\t"
-        "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7"
-        "}, %8, %9, p, 1, 1;\n\t}"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-        : "l"(da), "l"(db));
+#define WGMMA_ASM(N, REGS, DA, DB, ...)                                                              \
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, 1, 0;\n\twgmma.mma_async.sync.aligned.m64n" #N   \
+                 "k32.f32.e4m3.e4m3 {" REGS "}, " DA ", " DB ", p, 1, 1;\n\t}"                           \
+                 : __VA_ARGS__                                                                      \
+                 : "l"(da), "l"(db))
+#else
+#define WGMMA_ASM(N, REGS, DA, DB, ...)
 #endif
-}
-
-__device__ __forceinline__ void wgmma_n32(float (&d)[16], unsigned long long da, unsigned long long db) {
-#if WGMMA_OK
-    asm volatile(
-        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, 1, 0;\n\t"
-        "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
-        "}, %16, %17, p, 1, 1;\n\t}"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-        : "l"(da), "l"(db));
-#endif
-}
-
-__device__ __forceinline__ void wgmma_n64(float (&d)[32], unsigned long long da, unsigned long long db) {
-#if WGMMA_OK
-    asm volatile(
-        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, 1, 0;\n\t"
-        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-        "}, %32, %33, p, 1, 1;\n\t}"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(da), "l"(db));
-#endif
-}
-
-__device__ __forceinline__ void wgmma_n128(float (&d)[64], unsigned long long da, unsigned long long db) {
-#if WGMMA_OK
-    asm volatile(
-        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, 1, 0;\n\t"
-        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-        "}, %64, %65, p, 1, 1;\n\t}"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(da), "l"(db));
-#endif
-}
-
-__device__ __forceinline__ void wgmma_n256(float (&d)[128], unsigned long long da, unsigned long long db) {
-#if WGMMA_OK
-    asm volatile(
-        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, 1, 0;\n\t"
-        "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
-        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
-        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
-        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
-        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-        "}, %128, %129, p, 1, 1;\n\t}"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
-          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
-          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
-          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
-          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
-          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
-          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-        : "l"(da), "l"(db));
-#endif
-}
 
 template <int N>
 __device__ __forceinline__ void wgmma(float (&d)[N / 2], unsigned long long da, unsigned long long db) {
     static_assert(N == 16 || N == 32 || N == 64 || N == 128 || N == 256, "the MMA's N: 16, 32, 64, 128 or 256");
-    if constexpr (N == 16) wgmma_n16(d, da, db);
-    else if constexpr (N == 32) wgmma_n32(d, da, db);
-    else if constexpr (N == 64) wgmma_n64(d, da, db);
-    else if constexpr (N == 128) wgmma_n128(d, da, db);
-    else wgmma_n256(d, da, db);
+    if constexpr (N == 16) {
+        WGMMA_ASM(16, WG_P0, "%8", "%9", WG_F8(0));
+    } else if constexpr (N == 32) {
+        WGMMA_ASM(32, WG_P0 ", " WG_P1, "%16", "%17", WG_F8(0), WG_F8(8));
+    } else if constexpr (N == 64) {
+        WGMMA_ASM(64, WG_P0 ", " WG_P1 ", " WG_P2 ", " WG_P3, "%32", "%33", WG_F8(0), WG_F8(8), WG_F8(16), WG_F8(24));
+    } else if constexpr (N == 128) {
+        WGMMA_ASM(128, WG_P0 ", " WG_P1 ", " WG_P2 ", " WG_P3 ", " WG_P4 ", " WG_P5 ", " WG_P6 ", " WG_P7, "%64", "%65",
+                  WG_F8(0), WG_F8(8), WG_F8(16), WG_F8(24), WG_F8(32), WG_F8(40), WG_F8(48), WG_F8(56));
+    } else {
+        WGMMA_ASM(256, WG_P0 ", " WG_P1 ", " WG_P2 ", " WG_P3 ", " WG_P4 ", " WG_P5 ", " WG_P6 ", " WG_P7 ", " WG_P8
+                  ", " WG_P9 ", " WG_P10 ", " WG_P11 ", " WG_P12 ", " WG_P13 ", " WG_P14 ", " WG_P15, "%128", "%129",
+                  WG_F8(0), WG_F8(8), WG_F8(16), WG_F8(24), WG_F8(32), WG_F8(40), WG_F8(48), WG_F8(56), WG_F8(64),
+                  WG_F8(72), WG_F8(80), WG_F8(88), WG_F8(96), WG_F8(104), WG_F8(112), WG_F8(120));
+    }
 }
 #define WGMMA wgmma<NT>
 #define ACC (NT / 2)  // accumulators a thread for m64 x NT over a warpgroup's 128 threads
