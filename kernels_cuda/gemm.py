@@ -330,9 +330,10 @@ def tune_gemm_fp8(xq: cp.ndarray, ws: list[Fp8Matrix], out: cp.ndarray, fast_acc
 
 # ---------------------------------------------------------------------------- float8 on wgmma
 # gemm_fp8.cu: the same product (the sums of the codes' products, bfloat16 or float32 out) on
-# Hopper's wgmma, its operands brought in by the bulk tensor copy engine. cuBLASLt's tiles are
-# too few for 132 SMs at 64-256 rows (8B o at 256 rows: 64 tiles); this kernel splits K over a
-# cluster and adds the parts in shared memory.
+# Hopper's wgmma, its operands brought in by the bulk tensor copy engine, the tokens as the MMA's
+# N and K split over a cluster where a shape has few tiles. The runner times it against cuBLASLt
+# per decode bucket (tune_gemm_fp8_wgmma) and runs it where it wins: on H200 at 32 rows of the
+# 8B shape; at 128-256 rows its exposed epilogue keeps it behind (docs/performance.md).
 MAX_SM_SMEM = 228 << 10  # shared memory of an SM (sm_90), for min_blocks blocks (1 KB each reserved)
 _CU_TENSOR_MAP_DATA_TYPE_UINT8, _CU_TENSOR_MAP_SWIZZLE_128B, _CU_TENSOR_MAP_L2_PROMOTION_256B = 0, 3, 3
 
@@ -340,9 +341,10 @@ _CU_TENSOR_MAP_DATA_TYPE_UINT8, _CU_TENSOR_MAP_SWIZZLE_128B, _CU_TENSOR_MAP_L2_P
 @dataclass(frozen=True)
 class WgmmaConfig:
     """gemm_fp8.cu's constants: BT tokens a block (the MMA's N: 16, 32, 64, 128 or 256, halved
-    with TSPLIT 2), RM x 64 weight rows a consumer warpgroup, CW consumer warpgroups, K split over SPLITS blocks of
-    a cluster, STAGES stages of KBOX 128-byte slices of K in flight, MIN_BLOCKS blocks an SM,
-    TSPLIT 2: the warpgroups in pairs on the same weight rows, half the tokens each."""
+    with TSPLIT 2), RM x 64 weight rows a consumer warpgroup, CW consumer warpgroups, K split
+    over SPLITS blocks of a cluster, STAGES stages of KBOX 128-byte slices of K in flight,
+    MIN_BLOCKS blocks an SM; TSPLIT 2: the warpgroups in pairs on the same weight rows, half the
+    tokens each."""
 
     bt: int = 64
     rm: int = 1
@@ -364,6 +366,7 @@ class WgmmaConfig:
         return 1024 + self.stages * (self.bmw + self.bt) * 128 * self.kbox + 16 * self.stages
 
     def fits(self, M: int, N: int, K: int) -> bool:
+        """Whether this configuration can run an (M, K) x (N, K)^T product on this GPU."""
         bk = 128 * self.kbox
         stages_bytes = self.smem - 1024 - 16 * self.stages
         threads = 128 * (self.cw + 1)
