@@ -155,7 +155,7 @@ def fp8_table(shape: dict, batches: list[int]) -> list[str]:
     runner's default path), and the skinny GEMM on 16-bit vs e4m3 weights. On Hopper, up to
     256 rows, also cuBLASLt with fast accumulation against gemm_fp8.cu's candidates for the
     bucket, both as captured graphs (gemm.tune_gemm_fp8_wgmma: the runner's choice at start)."""
-    from kernels_cuda.gemm import WGMMA_CANDIDATES, gemm, gemm_fp8, tune_gemm_fp8_wgmma, wgmma_supported
+    from kernels_cuda.gemm import WGMMA_CANDIDATES, gemm, gemm_fp8, rows_bucket, tune_gemm_fp8_wgmma, wgmma_supported
     from kernels_cuda.gemv import MAX_ROWS, gemv
     from kernels_cuda.quant import quantize_matrix, quantize_rows
     rows = []
@@ -184,7 +184,7 @@ def fp8_table(shape: dict, batches: list[int]) -> list[str]:
                 cells.append(f"cublas fp16 {t16 * 1e3:7.1f} us ({flops / t16 / 1e9:5.0f} TFLOP/s)  lt fp8 "
                              f"{t8 * 1e3:7.1f} us ({flops / t8 / 1e9:5.0f})  fast-accum {t8f * 1e3:7.1f} us ({flops / t8f / 1e9:5.0f})  "
                              f"fast-accum +quantize x {tq * 1e3:7.1f} us ({t16 / tq:4.2f}x)")
-                if wgmma_supported() and max(16, 1 << (b - 1).bit_length()) in WGMMA_CANDIDATES:
+                if wgmma_supported() and rows_bucket(b) in WGMMA_CANDIDATES:
                     lt_us, times, _ = tune_gemm_fp8_wgmma(xq, w8, out16, cp.cuda.Stream(non_blocking=True), pdl=True)
                     best = min(times, key=times.__getitem__, default=None)
                     cells.append(f"graphs: lt {lt_us:6.1f} us, gemm_fp8.cu " + (

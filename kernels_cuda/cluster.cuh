@@ -35,9 +35,11 @@ __device__ __forceinline__ const float *peer(const float *p, unsigned rank) {
 // Weight rows come into shared memory as bulk copies that complete on an mbarrier: a few
 // instructions a block, where 16-byte cp.async copies (18 a thread) held the block before its
 // wait until most had landed, which made the kernel before it look longer.
-__device__ __forceinline__ void mbar_init(unsigned long long *bar) {
+// count: the arrivals that complete a phase (1: the thread that expects the bytes)
+__device__ __forceinline__ void mbar_init(unsigned long long *bar, unsigned count = 1) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("mbarrier.init.shared.b64 [%0], 1;\n\tfence.mbarrier_init.release.cluster;" ::"r"(smem_addr(bar))
+    asm volatile("mbarrier.init.shared.b64 [%0], %1;\n\tfence.mbarrier_init.release.cluster;" ::"r"(smem_addr(bar)),
+                 "r"(count)
                  : "memory");
 #endif
 }
@@ -50,6 +52,11 @@ __device__ __forceinline__ void bulk_copy(void *dst, const void *src, unsigned b
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_arrive(unsigned long long *bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.arrive.shared.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
 #endif
 }
 __device__ __forceinline__ void mbar_wait(unsigned long long *bar, unsigned parity) {

@@ -16,8 +16,7 @@ from dataclasses import dataclass
 import cupy as cp
 import numpy as np
 
-from ._module import (MAX_BLOCK_SMEM, ByValue, _cuda_driver, check, function, i32, launch, module,
-                      same_scalar)
+from ._module import MAX_BLOCK_SMEM, ByValue, _cuda_driver, check, function, i32, launch_ex, module, same_scalar
 from .quant import Fp8Matrix
 
 CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF, CUDA_R_8F_E4M3 = 0, 2, 14, 28
@@ -112,7 +111,7 @@ LT_WORKSPACE_BYTES = 32 << 20
 # the inputs (docs/performance.md, twenty-fifth session).
 
 
-def _rows_bucket(M: int) -> int:
+def rows_bucket(M: int) -> int:
     """A product's power-of-two bucket of rows (at least 16): one choice of kernel each."""
     return max(16, 1 << (M - 1).bit_length())
 
@@ -172,9 +171,9 @@ class _Lt:
 
     @staticmethod
     def _bucket(key: tuple) -> tuple:
-        """The plan key's power-of-two bucket of rows (_rows_bucket): one algorithm each."""
+        """The plan key's power-of-two bucket of rows (rows_bucket): one algorithm each."""
         M, *rest = key
-        return (_rows_bucket(M), *rest)
+        return (rows_bucket(M), *rest)
 
     def choose(self, M: int, N: int, K: int, out_type: int, fast: bool, algo: "_HeuristicResult") -> None:
         """Use `algo` for every product of this shape in M's bucket (see tune_gemm_fp8)."""
@@ -271,9 +270,10 @@ def gemm_fp8(xq: cp.ndarray, w: Fp8Matrix, out: cp.ndarray, fast_accum: bool = F
     if M == 0:
         return out
     if fast_accum and _wgmma_plans:
-        config = _wgmma_plans.get((_rows_bucket(M), N, K, out_type))
-        if config is not None:
-            return gemm_fp8_wgmma(xq, w, out, config, pdl=pdl)
+        config = _wgmma_plans.get((rows_bucket(M), N, K, out_type))
+        if config is not None:  # checked to fit this shape when it was chosen
+            _launch_wgmma(xq, w, out, config, out_type, pdl)
+            return out
     lt = _lt_handle()
     for attempt in range(2):
         plan = lt.plan(M, N, K, out_type, fast_accum) if attempt == 0 else lt.exact(M, N, K, out_type, fast_accum)
@@ -392,6 +392,16 @@ def wgmma_supported() -> bool:
 _maps: dict[tuple[int, int, int, int], ByValue] = {}
 
 
+@functools.lru_cache(maxsize=None)
+def _encode_tiled():
+    """The driver's cuTensorMapEncodeTiled, its argument types set."""
+    fn = _cuda_driver().cuTensorMapEncodeTiled
+    u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p, u32p, u32p,
+                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    return fn
+
+
 def _tensor_map(ptr: int, rows: int, cols: int, box_rows: int) -> ByValue:
     """A 2-D tensor map over row-major uint8 (rows, cols) at ptr: boxes of 128 bytes x box_rows
     rows, 128-byte swizzle (gemm_fp8.cu's tiles); rows past `rows` read as zeros. Made once per
@@ -400,14 +410,10 @@ def _tensor_map(ptr: int, rows: int, cols: int, box_rows: int) -> ByValue:
     tmap = _maps.get(key)
     if tmap is None:
         tmap = ByValue(128)
-        driver = _cuda_driver()
-        fn = driver.cuTensorMapEncodeTiled
         u32, u64 = ctypes.c_uint32, ctypes.c_uint64
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int, u32, ctypes.c_void_p, ctypes.POINTER(u64), ctypes.POINTER(u64),
-                       ctypes.POINTER(u32), ctypes.POINTER(u32), ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-        status = fn(tmap.address, _CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, ctypes.c_void_p(ptr), (u64 * 2)(cols, rows),
-                    (u64 * 1)(cols), (u32 * 2)(128, box_rows), (u32 * 2)(1, 1), 0, _CU_TENSOR_MAP_SWIZZLE_128B,
-                    _CU_TENSOR_MAP_L2_PROMOTION_256B, 0)
+        status = _encode_tiled()(tmap.address, _CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, ctypes.c_void_p(ptr),
+                                 (u64 * 2)(cols, rows), (u64 * 1)(cols), (u32 * 2)(128, box_rows), (u32 * 2)(1, 1), 0,
+                                 _CU_TENSOR_MAP_SWIZZLE_128B, _CU_TENSOR_MAP_L2_PROMOTION_256B, 0)
         if status:
             raise RuntimeError(f"cuTensorMapEncodeTiled failed ({status}) for ({rows} x {cols}) at {ptr:#x}")
         _maps[key] = tmap
@@ -426,8 +432,16 @@ def gemm_fp8_wgmma(xq: cp.ndarray, w: Fp8Matrix, out: cp.ndarray, config: WgmmaC
     check(w.data, "w.data", np.uint8)
     out_type = _out_type(out, (np.float32, np.uint16))
     check(out, "out", out.dtype, (M, N))
-    if M == 0:
-        return out
+    if M:
+        _launch_wgmma(xq, w, out, config, out_type, pdl)
+    return out
+
+
+def _launch_wgmma(xq: cp.ndarray, w: Fp8Matrix, out: cp.ndarray, config: WgmmaConfig, out_type: int,
+                  pdl: bool) -> None:
+    """gemm_fp8.cu's launch, its arguments checked by the caller (M > 0)."""
+    M, K = xq.shape
+    N = w.shape[0]
     mod = module("gemm_fp8", arch="sm_90a", BT=config.bt, RM=config.rm, CW=config.cw, SPLITS=config.splits,
                  STAGES=config.stages, KBOX=config.kbox, MIN_BLOCKS=config.min_blocks, TSPLIT=config.tsplit,
                  OUT_F32=int(out_type == CUDA_R_32F))
@@ -435,8 +449,7 @@ def gemm_fp8_wgmma(xq: cp.ndarray, w: Fp8Matrix, out: cp.ndarray, config: WgmmaC
     grid = (-(-M // config.bt), N // config.bmw, config.splits)
     args = (_tensor_map(xq.data.ptr, M, K, config.bt), _tensor_map(w.data.data.ptr, N, K, 64), out,
             i32(M), i32(N), i32(K))
-    launch(kernel, grid, (128 * (config.cw + 1),), args, shared_mem=config.smem, pdl=pdl)
-    return out
+    launch_ex(kernel, grid, (128 * (config.cw + 1),), args, shared_mem=config.smem, pdl=pdl)
 
 
 # Candidates for each bucket of rows (WgmmaConfig fields bt, rm, cw, splits, stages, kbox,
@@ -481,7 +494,7 @@ def tune_gemm_fp8_wgmma(xq: cp.ndarray, ws: list[Fp8Matrix], out: cp.ndarray, st
     a product, each fitting candidate's, and the configuration now used (None: cuBLASLt)."""
     M, K = xq.shape
     N = ws[0].shape[0]
-    key = (_rows_bucket(M), N, K, _out_type(out, (np.float32, np.uint16)))
+    key = (rows_bucket(M), N, K, _out_type(out, (np.float32, np.uint16)))
     _wgmma_plans.pop(key, None)
     per = len(ws)
     lt_us = _graph_us(lambda: [gemm_fp8(xq, w, out, True) for w in ws], stream) / per

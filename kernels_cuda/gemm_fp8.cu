@@ -74,18 +74,6 @@ __device__ __forceinline__ unsigned long long smem_desc(const void *p) {
     return ((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((1024ull >> 4) << 32) | (1ull << 62);
 }
 
-__device__ __forceinline__ void mbar_init_count(unsigned long long *bar, unsigned count) {
-#if WGMMA_OK
-    asm volatile("mbarrier.init.shared.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
-#endif
-}
-
-__device__ __forceinline__ void mbar_arrive(unsigned long long *bar) {
-#if WGMMA_OK
-    asm volatile("mbarrier.arrive.shared.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
-#endif
-}
-
 __device__ __forceinline__ void tma_load_2d(void *dst, const tensor_map *map, int c0, int c1,
                                             unsigned long long *bar) {
 #if WGMMA_OK
@@ -213,12 +201,9 @@ gemm_fp8_wgmma(const __grid_constant__ tensor_map map_x, const __grid_constant__
     const int nk = chunks * (split + 1) / SPLITS - k_first;
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; s++) {
-            mbar_init_count(&full[s], 1);
-            mbar_init_count(&empty[s], CW);
+            mbar_init(&full[s]);
+            mbar_init(&empty[s], CW);  // each consumer warpgroup hands a stage back
         }
-#if WGMMA_OK
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-#endif
     }
     __syncthreads();
 

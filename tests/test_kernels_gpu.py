@@ -964,7 +964,7 @@ def test_tuned_wgmma_product_serves_gemm_fp8(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("promoted sums ran on gemm_fp8.cu")
 
-    monkeypatch.setattr(G, "gemm_fp8_wgmma", refuse)
+    monkeypatch.setattr(G, "_launch_wgmma", refuse)
     G.gemm_fp8(xq, ws[1], cp.zeros((64, N), np.uint16), fast_accum=False)
 
 
