@@ -114,6 +114,17 @@ def sm_count() -> int:
     return _sm_count(cp.cuda.Device().id)
 
 
+@functools.lru_cache(maxsize=None)
+def _wgmma_supported(device: int) -> bool:
+    return cp.cuda.Device(device).compute_capability == "90"
+
+
+def wgmma_supported() -> bool:
+    """The kernels on wgmma (gemm_fp8.cu, flash_prefill_wgmma.cu) are built for sm_90a: Hopper
+    (H100 / H200) only."""
+    return _wgmma_supported(cp.cuda.Device().id)
+
+
 MAX_BLOCK_SMEM = 227 << 10  # shared memory a block may have on sm_90
 
 

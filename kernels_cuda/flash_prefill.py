@@ -1,11 +1,13 @@
-"""Causal flash attention for ragged prefill chunks over the KV cache (flash_prefill.cu)."""
+"""Causal flash attention for ragged prefill chunks over the KV cache: flash_prefill.cu (mma.sync,
+any GPU the project runs on), or on Hopper flash_prefill_wgmma.cu (wgmma, a producer warpgroup that
+copies and widens the K/V tiles beside the MMAs). Both take the same arguments and tiles."""
 
 from __future__ import annotations
 
 import cupy as cp
 import numpy as np
 
-from ._module import check, check_scalar, f32, function, i32, i64, module, use_bf16
+from ._module import check, check_scalar, f32, function, i32, i64, module, use_bf16, wgmma_supported
 
 BLOCK_M = 64
 BLOCK_N = 64
@@ -16,6 +18,33 @@ BLOCK_N = 64
 # 232 -> 246. (Four heads a block spill: 208-222 registers a thread at 128 threads.)
 MAX_HEADS = 2
 SHARE_MIN_KEYS = 4096
+
+
+# flash_prefill_wgmma.cu on sm_90 for these head dims (False: flash_prefill.cu everywhere)
+WGMMA = True
+WGMMA_HEAD_DIMS = (64, 128)
+WGMMA_RAW, WGMMA_STAGES = 3, 2  # stages of K/V rows as cached, of 16-bit K / V^T tiles
+WGMMA_MAX_HEADS = 2  # consumer warpgroups (query heads) a block: at 3 x 128 threads, <= 168 registers each
+
+
+def wgmma_heads(num_heads: int, num_kv_heads: int) -> int:
+    """The query heads of one KV head a flash_prefill_wgmma.cu block takes (one consumer
+    warpgroup each, sharing the producer's K/V tiles)."""
+    group = num_heads // num_kv_heads
+    return max(h for h in range(1, WGMMA_MAX_HEADS + 1) if group % h == 0)
+
+
+def wgmma_smem_bytes(head_dim: int, kv_fp8: bool, heads: int) -> int:
+    """flash_prefill_wgmma.cu's SMEM_BYTES: 1,024 to align, the heads' Q tiles and the 16-bit K and
+    V^T stages (64 x head_dim each), the raw stages (K and V rows as cached), the mbarriers."""
+    tile16 = 64 * head_dim * 2
+    raw_tile = 2 * 64 * head_dim * (1 if kv_fp8 else 2)
+    return 1024 + (heads + 2 * WGMMA_STAGES) * tile16 + WGMMA_RAW * raw_tile + 2 * WGMMA_STAGES * 8
+
+
+def use_wgmma(head_dim: int) -> bool:
+    """Whether flash_prefill launches flash_prefill_wgmma.cu for this head dim here."""
+    return WGMMA and head_dim in WGMMA_HEAD_DIMS and wgmma_supported()
 
 
 def heads_per_block(num_heads: int, num_kv_heads: int, max_keys: int = 0) -> int:
@@ -81,12 +110,19 @@ def flash_prefill(q: cp.ndarray, tile_seq: cp.ndarray, tile_q0: cp.ndarray, seq_
     check(out, "out", q.dtype, (T, H, D))
     if n_tiles > 65535:
         raise ValueError(f"{n_tiles} query tiles: at most 65535 in a launch")
-    if n_tiles:
+    if not n_tiles:
+        return out
+    args = (q, out, tile_seq, tile_q0, seq_q_start, seq_q_len, seq_kv_len, k_ptrs, v_ptrs, i64(layer_offset), i32(H),
+            i32(num_kv_heads), i32(window), f32(scale))
+    if use_wgmma(D):
+        heads = wgmma_heads(H, num_kv_heads)
+        smem = wgmma_smem_bytes(D, kv_fp8, heads)
+        mod = module("flash_prefill_wgmma", arch="sm_90a", USE_BF16=use_bf16(q), HEAD_DIM=D, KV_FP8=int(kv_fp8),
+                     HEADS=heads, RAW=WGMMA_RAW, STAGES=WGMMA_STAGES)
+        function(mod, "flash_prefill_wgmma", smem)((H // heads, n_tiles), (128 * (heads + 1),), args, shared_mem=smem)
+    else:
         heads = heads_per_block(H, num_kv_heads, max_keys)
         smem = smem_bytes(D, kv_fp8, heads)
-        kernel = function(module("flash_prefill", USE_BF16=use_bf16(q), HEAD_DIM=D, KV_FP8=int(kv_fp8), HEADS=heads),
-                          "flash_prefill", smem)
-        kernel((H // heads, n_tiles), (128 * heads,),
-               (q, out, tile_seq, tile_q0, seq_q_start, seq_q_len, seq_kv_len, k_ptrs, v_ptrs, i64(layer_offset),
-                i32(H), i32(num_kv_heads), i32(window), f32(scale)), shared_mem=smem)
+        mod = module("flash_prefill", USE_BF16=use_bf16(q), HEAD_DIM=D, KV_FP8=int(kv_fp8), HEADS=heads)
+        function(mod, "flash_prefill", smem)((H // heads, n_tiles), (128 * heads,), args, shared_mem=smem)
     return out

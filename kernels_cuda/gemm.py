@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import cupy as cp
 import numpy as np
 
-from ._module import MAX_BLOCK_SMEM, ByValue, _cuda_driver, check, function, i32, launch_ex, module, same_scalar
+from ._module import (MAX_BLOCK_SMEM, ByValue, _cuda_driver, check, function, i32, launch_ex, module, same_scalar,
+                      wgmma_supported)
 from .quant import Fp8Matrix
 
 CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF, CUDA_R_8F_E4M3 = 0, 2, 14, 28
@@ -377,16 +378,6 @@ class WgmmaConfig:
                 and N % self.bmw == 0 and K % bk == 0 and K // bk >= self.splits and self.splits <= 8
                 and self.smem <= MAX_BLOCK_SMEM and (self.smem + 1024) * self.min_blocks <= MAX_SM_SMEM
                 and self.bt * (self.bmw + 4) * 4 <= stages_bytes)
-
-
-@functools.lru_cache(maxsize=None)
-def _wgmma_supported(device: int) -> bool:
-    return cp.cuda.Device(device).compute_capability == "90"
-
-
-def wgmma_supported() -> bool:
-    """gemm_fp8.cu is built for sm_90a: Hopper (H100 / H200) only."""
-    return _wgmma_supported(cp.cuda.Device().id)
 
 
 _maps: dict[tuple[int, int, int, int], ByValue] = {}

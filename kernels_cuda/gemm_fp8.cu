@@ -15,7 +15,7 @@
 // a tile form a cluster along z, and each adds its share of the tile's tokens over the cluster
 // (rank order: the same bits every time) before writing them.
 // -DOUT_F32=1: float32 out; else bfloat16 (the runner's fp8 products).
-#include "cluster.cuh"
+#include "wgmma.cuh"
 
 #ifndef BT
 #define BT 64
@@ -55,24 +55,10 @@
 #define THREADS (128 * (CW + 1))
 #define RED_STRIDE (BMW + 4)         // floats a token's row of the sums in shared memory (padded)
 
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define WGMMA_OK 1
-#else
-#define WGMMA_OK 0
-#endif
-
 // the 128-byte CUtensorMap, passed by value (__grid_constant__): its address is the copy's
 struct __align__(64) tensor_map {
     unsigned long long raw[16];
 };
-
-// shared-memory matrix descriptor of a K-major tile of 128-byte rows, 128-byte swizzle: 8-row
-// groups 1,024 bytes apart; the tile starts on a 1,024-byte boundary, and a k32 step within the
-// row advances the start by 32 bytes
-__device__ __forceinline__ unsigned long long smem_desc(const void *p) {
-    const unsigned long long addr = smem_addr(p);
-    return ((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((1024ull >> 4) << 32) | (1ull << 62);
-}
 
 __device__ __forceinline__ void tma_load_2d(void *dst, const tensor_map *map, int c0, int c1,
                                             unsigned long long *bar) {
@@ -86,56 +72,13 @@ __device__ __forceinline__ void tma_load_2d(void *dst, const tensor_map *map, in
 }
 
 
-__device__ __forceinline__ void wgmma_fence() {
-#if WGMMA_OK
-    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void wgmma_commit() {
-#if WGMMA_OK
-    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-#endif
-}
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-#if WGMMA_OK
-    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
-#endif
-}
-// keeps the compiler from moving accumulator reads/writes across the asynchronous MMAs
-template <int R>
-__device__ __forceinline__ void fence_acc(float (&d)[R]) {
-#pragma unroll
-    for (int i = 0; i < R; i++) asm volatile("" : "+f"(d[i])::"memory");
-}
-
 // named barrier over the consumer warpgroups
 __device__ __forceinline__ void consumers_sync() {
     asm volatile("bar.sync 1, %0;" ::"n"(128 * CW) : "memory");
 }
 
 // m64nNk32, e4m3 x e4m3 -> float32, both operands from shared memory (K-major), the sums kept
-// (scale-d 1). An asm statement's operands are literals: the accumulators go in 8 at a time,
-// WG_P<k> naming operands 8k..8k+7 and WG_F8(8k) binding them.
-#define WG_P0 "%0, %1, %2, %3, %4, %5, %6, %7"
-#define WG_P1 "%8, %9, %10, %11, %12, %13, %14, %15"
-#define WG_P2 "%16, %17, %18, %19, %20, %21, %22, %23"
-#define WG_P3 "%24, %25, %26, %27, %28, %29, %30, %31"
-#define WG_P4 "%32, %33, %34, %35, %36, %37, %38, %39"
-#define WG_P5 "%40, %41, %42, %43, %44, %45, %46, %47"
-#define WG_P6 "%48, %49, %50, %51, %52, %53, %54, %55"
-#define WG_P7 "%56, %57, %58, %59, %60, %61, %62, %63"
-#define WG_P8 "%64, %65, %66, %67, %68, %69, %70, %71"
-#define WG_P9 "%72, %73, %74, %75, %76, %77, %78, %79"
-#define WG_P10 "%80, %81, %82, %83, %84, %85, %86, %87"
-#define WG_P11 "%88, %89, %90, %91, %92, %93, %94, %95"
-#define WG_P12 "%96, %97, %98, %99, %100, %101, %102, %103"
-#define WG_P13 "%104, %105, %106, %107, %108, %109, %110, %111"
-#define WG_P14 "%112, %113, %114, %115, %116, %117, %118, %119"
-#define WG_P15 "%120, %121, %122, %123, %124, %125, %126, %127"
-#define WG_F8(i)                                                                                    \
-    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
-        "+f"(d[i + 6]), "+f"(d[i + 7])
+// (scale-d 1); operands through wgmma.cuh's WG_P / WG_F8.
 #if WGMMA_OK
 #define WGMMA_ASM(N, REGS, DA, DB, ...)                                                              \
     asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, 1, 0;\n\twgmma.mma_async.sync.aligned.m64n" #N   \

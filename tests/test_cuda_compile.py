@@ -45,13 +45,15 @@ VARIANTS = {"flash_decode": [{"HEAD_DIM": 64, "GROUP": 3}, {"HEAD_DIM": 128, "GR
                        {"HEAD_DIM": 16, "GROUP": 3, "HIDDEN": 96}],
             "mlp_block": [{"HIDDEN": 576, "QW": 576, "INTER": 1536}, {"HIDDEN": 128, "QW": 192, "INTER": 256}],
             "read_patterns": [{"PATTERN": 0, "DEPTH": 8}, {"PATTERN": 3, "DEPTH": 4}, {"PATTERN": 3, "DEPTH": 8}],
+            "flash_prefill_wgmma": [{"HEAD_DIM": 128, "HEADS": 2, "KV_FP8": 1}, {"HEAD_DIM": 128, "HEADS": 2},
+                                    {"HEAD_DIM": 64, "HEADS": 1, "KV_FP8": 1}, {"HEAD_DIM": 64, "HEADS": 3, "RAW": 4}],
             "gemm_fp8": [{"BT": 32, "CW": 1, "KBOX": 2, "MIN_BLOCKS": 2, "SPLITS": 3},
                          {"BT": 128, "RM": 2, "CW": 2}, {"BT": 256, "SPLITS": 2, "OUT_F32": 1},
                          {"BT": 64, "RM": 7, "CW": 2, "TSPLIT": 2, "STAGES": 3}]}
 FP8_ONLY = {"quant"}  # families that are all e4m3
 # families built for an architecture-specific target at run time (gemm.py: wgmma needs sm_90a);
 # built for it here too, so that the wgmma and tensor-copy code is compiled, not #if-ed away
-ARCH_SPECIFIC = {"gemm_fp8": ("-gencode", "arch=compute_90a,code=sm_90a")}
+ARCH_SPECIFIC = {family: ("-gencode", "arch=compute_90a,code=sm_90a") for family in ("gemm_fp8", "flash_prefill_wgmma")}
 
 
 def jobs():
@@ -76,7 +78,8 @@ def test_every_kernel_family_compiles(tmp_path):
     all_jobs = list(jobs())
     assert {cu.stem for cu, _ in all_jobs} >= {"embedding", "rmsnorm", "rope", "activation", "gemv",
                                                "flash_decode", "flash_prefill", "sampling", "read_patterns",
-                                               "attn_block", "attn_o", "mlp_block", "gemm_fp8"}
+                                               "attn_block", "attn_o", "mlp_block", "gemm_fp8",
+                                               "flash_prefill_wgmma"}
     with ThreadPoolExecutor(max_workers=2) as pool:
         failures = [r for r in pool.map(build, all_jobs) if r[2] != 0]
     assert not failures, "\n".join(f"{name} {defines}:\n{err}" for name, defines, _, err in failures)

@@ -846,17 +846,25 @@ def test_flash_decode(kv8, splits, chunk, window, heads, min_blocks, whole, shor
             np.testing.assert_allclose(got[b, h], ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("kernel", ["mma", "wgmma"])
 @pytest.mark.parametrize("kv8", [False, True], ids=["kv16", "kv8"])
-@pytest.mark.parametrize("heads,window", [((8, 2), 0), ((8, 2), 100), ((6, 2), 0), ((4, 4), 0)])
-def test_flash_prefill(kv8, heads, window):
+@pytest.mark.parametrize("heads,window,D", [((8, 2), 0, 64), ((8, 2), 100, 64), ((6, 2), 0, 64), ((4, 4), 0, 64),
+                                            ((8, 2), 0, 128), ((8, 2), 100, 128)])
+def test_flash_prefill(kernel, kv8, heads, window, D, monkeypatch):
     """Ragged causal prefill attention against softmax(q k^T * scale) v in float64: chunks
     after a cached prefix (start > 0), one of a single query, one over three 64-query
     tiles, launched the tiles with the most keys first (flash_prefill.tiles); `window`:
-    sliding-window attention; 4 and 3 query heads a KV head, and one. Blocks that take two
-    query heads of a KV head (what a launch with a long sequence gets,
-    flash_prefill.heads_per_block) give the bits of blocks that take one."""
+    sliding-window attention; 4 and 3 query heads a KV head, and one; head dims 64 and 128.
+    Both kernels: flash_prefill.cu and, on Hopper, flash_prefill_wgmma.cu. Blocks that take
+    two query heads of a KV head (flash_prefill.cu: what a launch with a long sequence gets,
+    flash_prefill.heads_per_block; flash_prefill_wgmma.cu: two consumer warpgroups) give the
+    bits of blocks that take one."""
     import kernels_cuda.flash_prefill as fp
-    (H, KVH), D, region = heads, 64, 512
+    from kernels_cuda._module import wgmma_supported
+    if kernel == "wgmma" and not wgmma_supported():
+        pytest.skip("flash_prefill_wgmma.cu needs an sm_90 GPU")
+    monkeypatch.setattr(fp, "WGMMA", kernel == "wgmma")
+    (H, KVH), region = heads, 512
     starts, q_lens = np.array([0, 37, 100, 5], np.int32), np.array([70, 1, 150, 64], np.int32)
     kv_lens, S, T = starts + q_lens, len(q_lens), int(q_lens.sum())
     q_start = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int32)
@@ -873,6 +881,8 @@ def test_flash_prefill(kv8, heads, window):
             cp.asarray(q_lens), cp.asarray(kv_lens), kp, vp, 0, KVH, D ** -0.5)
     outs = {}
     for most in (1, 2):  # (max_keys below SHARE_MIN_KEYS: one head a block)
+        monkeypatch.setattr(fp, "WGMMA_MAX_HEADS", most)
+        assert fp.use_wgmma(D) == (kernel == "wgmma")
         outs[most] = cp.full((T, H, D), np.nan, np.float16)
         fp.flash_prefill(*args, outs[most], window, kv_fp8=kv8, max_keys=fp.SHARE_MIN_KEYS * (most - 1))
     np.testing.assert_array_equal(cp.asnumpy(outs[2]), cp.asnumpy(outs[1]))

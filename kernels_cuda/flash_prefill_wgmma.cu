@@ -1,0 +1,291 @@
+// Causal flash attention for a ragged batch of prefill chunks on Hopper's wgmma (sm_90a): the
+// same launch, arguments and results as flash_prefill.cu (flash_prefill.py picks it on sm_90),
+// with the K/V tiles' copies and their widening to 16 bits taken off the MMAs' path.
+//
+// A block takes 64 queries of HEADS query heads that share a KV head. Warpgroup 0 is the
+// producer: it copies K/V tiles of 64 keys from the cache into RAW raw stages (cp.async), then
+// writes them as the MMAs read them into STAGES 16-bit stages (K as it is, V transposed; e4m3
+// widened on the way) and hands each over on a full mbarrier. Warpgroup 1 + i runs query head
+// h0 + i: S = Q K^T (m64n64k16, Q and K from shared memory), the online softmax in registers
+// (the scores' accumulators are, element for element, the A fragments of P), then O += P V
+// (m64nDk16, P from registers), and hands the stage back on an empty mbarrier. So a tile's
+// copies, widening and barriers run while the tiles before it are multiplied.
+//
+// The arithmetic per query row: 16-bit products summed in float32 by the tensor cores, the
+// softmax as flash_prefill.cu's (common.cuh's online_softmax), P rounded to 16 bits for P V.
+// A row's results do not depend on the other rows or sequences of the launch, nor on HEADS.
+//
+// grid (num_heads / HEADS, num_tiles), block 128 * (HEADS + 1); tile_seq / tile_q0 as in
+// flash_prefill.cu. -DHEAD_DIM (64 or 128), -DHEADS, -DKV_FP8, -DRAW, -DSTAGES; dynamic shared
+// memory: flash_prefill.wgmma_smem_bytes().
+#include "wgmma.cuh"
+
+#ifndef HEAD_DIM
+#define HEAD_DIM 128
+#endif
+#ifndef HEADS
+#define HEADS 2
+#endif
+#ifndef STAGES
+#define STAGES 2  // 16-bit K / V^T stages
+#endif
+#ifndef RAW
+#define RAW 3  // stages of K/V rows as cached
+#endif
+#define BLOCK_M 64
+#define BLOCK_N 64
+#define THREADS (128 * (HEADS + 1))
+#define ATOMS (HEAD_DIM / 64)                        // 128-byte swizzle columns of a 16-bit row
+#define TILE16 (64 * HEAD_DIM * 2)                   // a 16-bit tile: Q (64 x D), K (64 x D), V^T (D x 64)
+#define RAW_ROW (HEAD_DIM * (int)sizeof(kv_t))       // bytes of a cached row
+#define RAW_TILE (2 * BLOCK_N * RAW_ROW)             // K rows then V rows, as cached
+#define SMEM_BYTES (1024 + (HEADS + 2 * STAGES) * TILE16 + RAW * RAW_TILE + 2 * STAGES * 8)
+
+static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head_dim 64 or 128");
+static_assert(RAW >= 2 && STAGES >= 1, "stages");
+
+// m64n64k16, 16-bit x 16-bit -> float32, A and B from shared memory (K-major); acc: keep d's sums
+__device__ __forceinline__ void wgmma_ss64(float (&s)[8][4], unsigned long long da, unsigned long long db,
+                                           int acc) {
+#if WGMMA_OK
+    float(&d)[32] = *reinterpret_cast<float(*)[32]>(&s[0][0]);
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %34, 0;\n\twgmma.mma_async.sync.aligned.m64n64k16.f32." MMA_TYPE
+                 "." MMA_TYPE " {" WG_P0 ", " WG_P1 ", " WG_P2 ", " WG_P3 "}, %32, %33, p, 1, 1, 0, 0;\n\t}"
+                 : WG_F8(0), WG_F8(8), WG_F8(16), WG_F8(24)
+                 : "l"(da), "l"(db), "r"(acc));
+#endif
+}
+
+// m64nDk16 with A (P) from registers, B (V^T, K-major) from shared memory; the sums kept
+__device__ __forceinline__ void wgmma_rs(float (&o)[HEAD_DIM / 8][4], const unsigned (&a)[4], unsigned long long db) {
+#if WGMMA_OK
+    float(&d)[HEAD_DIM / 2] = *reinterpret_cast<float(*)[HEAD_DIM / 2]>(&o[0][0]);
+#if HEAD_DIM == 64
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, 1, 0;\n\twgmma.mma_async.sync.aligned.m64n64k16.f32." MMA_TYPE
+                 "." MMA_TYPE " {" WG_P0 ", " WG_P1 ", " WG_P2 ", " WG_P3 "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n\t}"
+                 : WG_F8(0), WG_F8(8), WG_F8(16), WG_F8(24)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+#else
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, 1, 0;\n\twgmma.mma_async.sync.aligned.m64n128k16.f32." MMA_TYPE
+                 "." MMA_TYPE " {" WG_P0 ", " WG_P1 ", " WG_P2 ", " WG_P3 ", " WG_P4 ", " WG_P5 ", " WG_P6 ", " WG_P7
+                 "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n\t}"
+                 : WG_F8(0), WG_F8(8), WG_F8(16), WG_F8(24), WG_F8(32), WG_F8(40), WG_F8(48), WG_F8(56)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+#endif
+#endif
+}
+
+template <int A, int B>
+__device__ __forceinline__ void fence_acc2(float (&d)[A][B]) {
+    fence_acc(*reinterpret_cast<float(*)[A * B]>(&d[0][0]));
+}
+
+__device__ __forceinline__ void producers_sync() { asm volatile("bar.sync 1, 128;" ::: "memory"); }
+
+// A K row's 16-byte chunk (8 values) of the 16-bit tile: from 8 cached values at src
+__device__ __forceinline__ uint4 widen8(const unsigned char *src) {
+#if KV_FP8
+    const uint2 v = *reinterpret_cast<const uint2 *>(src);
+    uint4 out;
+    fp8x4_to_scalar2x2(v.x, out.x, out.y);
+    fp8x4_to_scalar2x2(v.y, out.z, out.w);
+    return out;
+#else
+    return *reinterpret_cast<const uint4 *>(src);
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_prefill_wgmma(
+    const scalar_t *__restrict__ q,        // (T, H, HEAD_DIM)
+    scalar_t *__restrict__ out,            // (T, H, HEAD_DIM)
+    const int *__restrict__ tile_seq,      // (tiles)
+    const int *__restrict__ tile_q0,       // (tiles)
+    const int *__restrict__ seq_q_start,   // (S) index of the sequence's first query token
+    const int *__restrict__ seq_q_len,     // (S)
+    const int *__restrict__ seq_kv_len,    // (S) keys in the cache including this chunk
+    const long long *__restrict__ k_ptrs,  // (S)
+    const long long *__restrict__ v_ptrs,  // (S)
+    long long layer_offset, int num_heads, int num_kv_heads, int window, float scale) {
+    PDL_ENTER();
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char *smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
+    unsigned char *sQ = smem;                        // HEADS x [ATOMS][64 rows][128 B]
+    unsigned char *sK = sQ + HEADS * TILE16;         // STAGES x [ATOMS][64 keys][128 B]
+    unsigned char *sV = sK + STAGES * TILE16;        // STAGES x [HEAD_DIM dims][64 keys = 128 B]
+    unsigned char *sR = sV + STAGES * TILE16;        // RAW x [K, V][64 keys][RAW_ROW]
+    unsigned long long *full = reinterpret_cast<unsigned long long *>(sR + RAW * RAW_TILE);
+    unsigned long long *empty = full + STAGES;
+
+    const int tile = blockIdx.y, h0 = blockIdx.x * HEADS;
+    const int kvh = h0 / (num_heads / num_kv_heads);
+    const int s = tile_seq[tile], q0 = tile_q0[tile];
+    const int q_len = seq_q_len[s], kv_len = seq_kv_len[s];
+    const int start_pos = kv_len - q_len;
+    const int rows = min(BLOCK_M, q_len - q0);
+    const long long qbase = (long long)seq_q_start[s] + q0;
+    const int q_first = start_pos + q0, q_last = q_first + rows - 1;
+    const int k_hi = q_last + 1;  // causal: no key past the last query
+    const int k_lo = window > 0 ? max(0, q_first - window + 1) : 0;
+    const int n_begin = (k_lo / BLOCK_N) * BLOCK_N;
+    const int n_tiles = (k_hi - n_begin + BLOCK_N - 1) / BLOCK_N;
+
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < STAGES; i++) {
+            mbar_init(&full[i], 128);            // every producer thread hands its part over
+            mbar_init(&empty[i], 128 * HEADS);   // every consumer thread hands it back
+        }
+    }
+    __syncthreads();
+
+    if (threadIdx.x < 128) {  // ------------------------------------------------ producer
+        const int tid = threadIdx.x;
+        const long long kv_stride = (long long)num_kv_heads * HEAD_DIM;
+        const kv_t *kb = reinterpret_cast<const kv_t *>(k_ptrs[s]) + layer_offset + kvh * HEAD_DIM;
+        const kv_t *vb = reinterpret_cast<const kv_t *>(v_ptrs[s]) + layer_offset + kvh * HEAD_DIM;
+        constexpr int QCH = HEAD_DIM / 8;  // 16-byte chunks of a query row
+        for (int i = tid; i < HEADS * BLOCK_M * QCH; i += 128) {
+            const int hh = i / (BLOCK_M * QCH), r = (i / QCH) % BLOCK_M, c = i % QCH;
+            const bool ok = r < rows;
+            cp_async16(sQ + hh * TILE16 + (c / 8) * (BLOCK_M * 128) + smem_swizzle(r, c % 8),
+                       q + ((qbase + (ok ? r : 0)) * num_heads + h0 + hh) * HEAD_DIM + c * 8, ok);
+        }
+        constexpr int PIECES = RAW_ROW / 16;  // 16-byte pieces of a cached row
+        auto load_raw = [&](int t) {
+            const int n0 = n_begin + t * BLOCK_N;
+            unsigned char *dk = sR + (t % RAW) * RAW_TILE, *dv = dk + BLOCK_N * RAW_ROW;
+            for (int i = tid; i < BLOCK_N * PIECES; i += 128) {
+                const int r = i / PIECES, c = i % PIECES, key = n0 + r;
+                const bool ok = key < k_hi;  // keys past the chunk are zeros (never NaN times 0 in P V)
+                const long long off = (long long)(ok ? key : 0) * kv_stride + c * (16 / (int)sizeof(kv_t));
+                cp_async16(dk + r * RAW_ROW + c * 16, kb + off, ok);
+                cp_async16(dv + r * RAW_ROW + c * 16, vb + off, ok);
+            }
+        };
+#pragma unroll
+        for (int t = 0; t < RAW - 1; t++) {  // Q goes in with tile 0's group
+            if (t < n_tiles) load_raw(t);
+            cp_async_commit();
+        }
+        for (int t = 0; t < n_tiles; t++) {
+            cp_async_wait<RAW - 2>();  // this thread's copies of tile t have landed
+            producers_sync();          // everyone's have, and everyone is done with tile t - 1's raw stage
+            if (t + RAW - 1 < n_tiles) load_raw(t + RAW - 1);
+            cp_async_commit();
+            const int st = t % STAGES;
+            if (t >= STAGES) mbar_wait(&empty[st], ((t / STAGES) - 1) & 1);
+            const unsigned char *rk = sR + (t % RAW) * RAW_TILE, *rv = rk + BLOCK_N * RAW_ROW;
+            unsigned char *k16 = sK + st * TILE16, *v16 = sV + st * TILE16;
+            // K: 8 values of a key a thread, as a 16-byte chunk of its row
+            for (int i = tid; i < BLOCK_N * QCH; i += 128) {
+                const int r = i / QCH, c = i % QCH;
+                *reinterpret_cast<uint4 *>(k16 + (c / 8) * (BLOCK_N * 128) + smem_swizzle(r, c % 8)) =
+                    widen8(rk + r * RAW_ROW + c * 8 * (int)sizeof(kv_t));
+            }
+            // V^T: 8 keys of DPU dims a thread (a 4-byte word of each key's row), one 16-byte
+            // chunk of V^T's row for each dim: the words' bytes regrouped by dim, two keys a
+            // 16-bit pair
+#if KV_FP8
+            constexpr int DPU = 4;
+#else
+            constexpr int DPU = 2;
+#endif
+            for (int i = tid; i < (BLOCK_N / 8) * (HEAD_DIM / DPU); i += 128) {
+                const int dc = i % (HEAD_DIM / DPU), kc = i / (HEAD_DIM / DPU);
+                unsigned w[8];
+#pragma unroll
+                for (int j = 0; j < 8; j++) w[j] = *reinterpret_cast<const unsigned *>(rv + (kc * 8 + j) * RAW_ROW + dc * 4);
+#pragma unroll
+                for (int d = 0; d < DPU; d++) {
+                    uint4 chunk;
+                    unsigned *c4 = reinterpret_cast<unsigned *>(&chunk);
+#pragma unroll
+                    for (int p = 0; p < 4; p++) {
+#if KV_FP8
+                        const unsigned pair = __byte_perm(w[2 * p], w[2 * p + 1], d | ((4 + d) << 4));
+                        c4[p] = fp8x2_to_scalar2((unsigned short)(pair & 0xffff));
+#else
+                        c4[p] = __byte_perm(w[2 * p], w[2 * p + 1], d ? 0x7632 : 0x5410);
+#endif
+                    }
+                    *reinterpret_cast<uint4 *>(v16 + smem_swizzle(dc * DPU + d, kc)) = chunk;
+                }
+            }
+            fence_proxy_async();
+            mbar_arrive(&full[st]);
+        }
+        return;
+    }
+
+    // ---------------------------------------------------------------- consumers: one head each
+    const int c = threadIdx.x / 128 - 1, h = h0 + c;
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;  // warp: its 16 of the 64 queries
+    const int g = lane >> 2, qd = lane & 3;
+    const unsigned char *q_tile = sQ + c * TILE16;
+    float o[HEAD_DIM / 8][4];
+#pragma unroll
+    for (int j = 0; j < HEAD_DIM / 8; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+    float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.0f, 0.0f};  // rows g and g + 8, log2 domain
+    const float scale2 = scale * 1.4426950408889634f;
+    const int pos0 = q_first + warp * 16 + g;  // query positions of this lane's two rows
+    const int wq_lo = q_first + warp * 16, wq_hi = wq_lo + 15;
+
+    for (int t = 0; t < n_tiles; t++) {
+        const int st = t % STAGES, n0 = n_begin + t * BLOCK_N;
+        mbar_wait(&full[st], (t / STAGES) & 1);
+        const unsigned char *k16 = sK + st * TILE16, *v16 = sV + st * TILE16;
+        float sc[BLOCK_N / 8][4];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; kk++) {
+            const int at = (kk / 4) * (64 * 128) + (kk % 4) * 32;
+            wgmma_ss64(sc, smem_desc(q_tile + at), smem_desc(k16 + at), kk);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_acc2(sc);
+        const bool full_tile = n0 + BLOCK_N - 1 <= wq_lo && n0 + BLOCK_N <= k_hi &&
+                               (window <= 0 || n0 > wq_hi - window);
+        if (!full_tile) {
+#pragma unroll
+            for (int j = 0; j < BLOCK_N / 8; j++) {
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    const int key = n0 + j * 8 + 2 * qd + (i & 1), pos = pos0 + (i >> 1) * 8;
+                    const bool ok = key <= pos && key < k_hi && (window <= 0 || key > pos - window);
+                    if (!ok) sc[j][i] = NEG_INF;
+                }
+            }
+        }
+        online_softmax(sc, m_run, l_run, o, scale2);
+        unsigned a[BLOCK_N / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; kk++) {
+            a[kk][0] = pack2(sc[2 * kk][0], sc[2 * kk][1]);
+            a[kk][1] = pack2(sc[2 * kk][2], sc[2 * kk][3]);
+            a[kk][2] = pack2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+            a[kk][3] = pack2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; kk++) wgmma_rs(o, a[kk], smem_desc(v16 + kk * 32));
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_acc2(o);
+        mbar_arrive(&empty[st]);
+    }
+
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
+        l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
+    }
+    const float inv0 = l_run[0] > 0.0f ? 1.0f / l_run[0] : 0.0f, inv1 = l_run[1] > 0.0f ? 1.0f / l_run[1] : 0.0f;
+    const int r0 = warp * 16 + g;
+    scalar_t *o0 = out + ((qbase + r0) * num_heads + h) * HEAD_DIM + 2 * qd;
+    scalar_t *o1 = o0 + 8LL * num_heads * HEAD_DIM;
+#pragma unroll
+    for (int j = 0; j < HEAD_DIM / 8; j++) {
+        if (r0 < rows) *reinterpret_cast<unsigned *>(o0 + j * 8) = pack2(o[j][0] * inv0, o[j][1] * inv0);
+        if (r0 + 8 < rows) *reinterpret_cast<unsigned *>(o1 + j * 8) = pack2(o[j][2] * inv1, o[j][3] * inv1);
+    }
+}
