@@ -125,6 +125,23 @@ def wgmma_supported() -> bool:
     return _wgmma_supported(cp.cuda.Device().id)
 
 
+_occupancy: dict[tuple[int, int, int], int] = {}
+
+
+def blocks_per_sm(kernel: cp.RawKernel, threads: int, smem: int) -> int:
+    """Blocks of `threads` threads and `smem` bytes of dynamic shared memory that fit on one SM at
+    once (the driver's occupancy calculator, its registers included): a persistent launch's blocks."""
+    key = (kernel.kernel.ptr, threads, smem)
+    if key not in _occupancy:
+        n = ctypes.c_int(0)
+        status = _cuda_driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            ctypes.byref(n), ctypes.c_void_p(kernel.kernel.ptr), ctypes.c_int(threads), ctypes.c_size_t(smem))
+        if status:
+            raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed ({status})")
+        _occupancy[key] = max(1, n.value)
+    return _occupancy[key]
+
+
 MAX_BLOCK_SMEM = 227 << 10  # shared memory a block may have on sm_90
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
-from ._module import check, check_scalar, f32, function, i32, i64, module, use_bf16, wgmma_supported
+from ._module import (blocks_per_sm, check, check_scalar, f32, function, i32, i64, module, sm_count, use_bf16,
+                      wgmma_supported)
 
 BLOCK_M = 64
 BLOCK_N = 64
@@ -23,23 +24,34 @@ SHARE_MIN_KEYS = 4096
 # flash_prefill_wgmma.cu on sm_90 for these head dims (False: flash_prefill.cu everywhere)
 WGMMA = True
 WGMMA_HEAD_DIMS = (64, 128)
-WGMMA_RAW, WGMMA_STAGES = 3, 2  # stages of K/V rows as cached, of 16-bit K / V^T tiles
-WGMMA_MAX_HEADS = 2  # consumer warpgroups (query heads) a block: at 3 x 128 threads, <= 168 registers each
+WGMMA_RAW, WGMMA_STAGES = 2, 2  # stages of K/V rows as cached, of 16-bit K / V^T tiles
+WGMMA_ITEM_CAP, WGMMA_ITEM_BYTES = 160, 48  # the work items a block may take (its table in shared memory)
+# consumer warpgroups (query heads) a block, by head dim. At 128 a thread holds ~157 registers, so
+# three warpgroups (168 at most each) fit an SM's 64 K. At 64 one head a block: H200, SmolLM2's
+# heads (9 over 3), 4 prompts of 448 tokens, e4m3 cache: 12.7 us a launch against 15.8 with three
+# (two 256-thread blocks an SM against one of 512)
+WGMMA_MAX_HEADS = {64: 1, 128: 2}
+WGMMA_MIN_BLOCKS = {64: 2, 128: 1}  # blocks an SM the registers are capped for (two at 64: 128 each)
 
 
-def wgmma_heads(num_heads: int, num_kv_heads: int) -> int:
+WGMMA_MAX_BLOCKS: int | None = None  # the persistent grid at most (tests: several items a block); None: a full wave
+
+
+def wgmma_heads(num_heads: int, num_kv_heads: int, head_dim: int) -> int:
     """The query heads of one KV head a flash_prefill_wgmma.cu block takes (one consumer
     warpgroup each, sharing the producer's K/V tiles)."""
     group = num_heads // num_kv_heads
-    return max(h for h in range(1, WGMMA_MAX_HEADS + 1) if group % h == 0)
+    return max(h for h in range(1, WGMMA_MAX_HEADS[head_dim] + 1) if group % h == 0)
 
 
 def wgmma_smem_bytes(head_dim: int, kv_fp8: bool, heads: int) -> int:
-    """flash_prefill_wgmma.cu's SMEM_BYTES: 1,024 to align, the heads' Q tiles and the 16-bit K and
-    V^T stages (64 x head_dim each), the raw stages (K and V rows as cached), the mbarriers."""
+    """flash_prefill_wgmma.cu's shared memory: 1,024 bytes to align, two Q tiles a head (this work
+    item's, the next one's) and the 16-bit K and V^T stages (64 x head_dim each), the raw stages (K
+    and V rows as cached), the work items' table, the mbarriers."""
     tile16 = 64 * head_dim * 2
     raw_tile = 2 * 64 * head_dim * (1 if kv_fp8 else 2)
-    return 1024 + (heads + 2 * WGMMA_STAGES) * tile16 + WGMMA_RAW * raw_tile + 2 * WGMMA_STAGES * 8
+    return (1024 + 2 * (heads + WGMMA_STAGES) * tile16 + WGMMA_RAW * raw_tile + WGMMA_ITEM_CAP * WGMMA_ITEM_BYTES
+            + 2 * WGMMA_STAGES * 8)
 
 
 def use_wgmma(head_dim: int) -> bool:
@@ -115,14 +127,19 @@ def flash_prefill(q: cp.ndarray, tile_seq: cp.ndarray, tile_q0: cp.ndarray, seq_
     args = (q, out, tile_seq, tile_q0, seq_q_start, seq_q_len, seq_kv_len, k_ptrs, v_ptrs, i64(layer_offset), i32(H),
             i32(num_kv_heads), i32(window), f32(scale))
     if use_wgmma(D):
-        heads = wgmma_heads(H, num_kv_heads)
-        smem = wgmma_smem_bytes(D, kv_fp8, heads)
+        heads = wgmma_heads(H, num_kv_heads, D)
+        smem, threads = wgmma_smem_bytes(D, kv_fp8, heads), 128 * (heads + 1)
         mod = module("flash_prefill_wgmma", arch="sm_90a", USE_BF16=use_bf16(q), HEAD_DIM=D, KV_FP8=int(kv_fp8),
-                     HEADS=heads, RAW=WGMMA_RAW, STAGES=WGMMA_STAGES)
-        function(mod, "flash_prefill_wgmma", smem)((H // heads, n_tiles), (128 * (heads + 1),), args, shared_mem=smem)
-    else:
-        heads = heads_per_block(H, num_kv_heads, max_keys)
-        smem = smem_bytes(D, kv_fp8, heads)
-        mod = module("flash_prefill", USE_BF16=use_bf16(q), HEAD_DIM=D, KV_FP8=int(kv_fp8), HEADS=heads)
-        function(mod, "flash_prefill", smem)((H // heads, n_tiles), (128 * heads,), args, shared_mem=smem)
+                     HEADS=heads, RAW=WGMMA_RAW, STAGES=WGMMA_STAGES, ITEM_CAP=WGMMA_ITEM_CAP,
+                     MIN_BLOCKS=WGMMA_MIN_BLOCKS[D])
+        kernel = function(mod, "flash_prefill_wgmma", smem)
+        items = n_tiles * (H // heads)  # persistent: as many blocks as fit at once take the items in turn
+        grid = min(items, WGMMA_MAX_BLOCKS or sm_count() * blocks_per_sm(kernel, threads, smem))
+        if -(-items // grid) <= WGMMA_ITEM_CAP:  # else (~130k tokens a step) flash_prefill.cu below
+            kernel((grid,), (threads,), (*args, i32(n_tiles)), shared_mem=smem)
+            return out
+    heads = heads_per_block(H, num_kv_heads, max_keys)
+    smem = smem_bytes(D, kv_fp8, heads)
+    mod = module("flash_prefill", USE_BF16=use_bf16(q), HEAD_DIM=D, KV_FP8=int(kv_fp8), HEADS=heads)
+    function(mod, "flash_prefill", smem)((H // heads, n_tiles), (128 * heads,), args, shared_mem=smem)
     return out

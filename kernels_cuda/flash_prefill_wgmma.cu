@@ -15,9 +15,11 @@
 // softmax as flash_prefill.cu's (common.cuh's online_softmax), P rounded to 16 bits for P V.
 // A row's results do not depend on the other rows or sequences of the launch, nor on HEADS.
 //
-// grid (num_heads / HEADS, num_tiles), block 128 * (HEADS + 1); tile_seq / tile_q0 as in
-// flash_prefill.cu. -DHEAD_DIM (64 or 128), -DHEADS, -DKV_FP8, -DRAW, -DSTAGES; dynamic shared
-// memory: flash_prefill.wgmma_smem_bytes().
+// Persistent: grid min(work items, the blocks that fit at once), a work item being a tile of 64
+// queries (tile_seq / tile_q0 as in flash_prefill.cu) for one group of HEADS heads; block
+// 128 * (HEADS + 1). -DHEAD_DIM (64 or 128), -DHEADS, -DKV_FP8, -DRAW, -DSTAGES, -DMIN_BLOCKS,
+// -DITEM_CAP;
+// dynamic shared memory: flash_prefill.wgmma_smem_bytes().
 #include "wgmma.cuh"
 
 #ifndef HEAD_DIM
@@ -30,7 +32,10 @@
 #define STAGES 2  // 16-bit K / V^T stages
 #endif
 #ifndef RAW
-#define RAW 3  // stages of K/V rows as cached
+#define RAW 2  // stages of K/V rows as cached
+#endif
+#ifndef MIN_BLOCKS
+#define MIN_BLOCKS 1  // blocks an SM (registers capped to fit)
 #endif
 #define BLOCK_M 64
 #define BLOCK_N 64
@@ -39,7 +44,6 @@
 #define TILE16 (64 * HEAD_DIM * 2)                   // a 16-bit tile: Q (64 x D), K (64 x D), V^T (D x 64)
 #define RAW_ROW (HEAD_DIM * (int)sizeof(kv_t))       // bytes of a cached row
 #define RAW_TILE (2 * BLOCK_N * RAW_ROW)             // K rows then V rows, as cached
-#define SMEM_BYTES (1024 + (HEADS + 2 * STAGES) * TILE16 + RAW * RAW_TILE + 2 * STAGES * 8)
 
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head_dim 64 or 128");
 static_assert(RAW >= 2 && STAGES >= 1, "stages");
@@ -95,7 +99,29 @@ __device__ __forceinline__ uint4 widen8(const unsigned char *src) {
 #endif
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_prefill_wgmma(
+// A work item: one tile (64 queries of a sequence) for one group of HEADS query heads, as the
+// block's table in shared memory holds it (filled once at the start, all items' loads at once)
+struct __align__(16) Item {
+    const kv_t *kb, *vb;  // the item's KV head in the sequence's K and V rows of this layer
+    int rows, q_first, n_begin, n_tiles, h0, qbase;
+};  // 48 bytes (flash_prefill.WGMMA_ITEM_BYTES)
+#ifndef ITEM_CAP
+#define ITEM_CAP 160  // items a block at most (flash_prefill.WGMMA_ITEM_CAP)
+#endif
+
+// The r-th item of block b (gridDim.x blocks) in a persistent launch: rounds of gridDim.x items,
+// every other round in reverse block order, so that a block taking one of a round's longest items
+// (flash_prefill.tiles: most keys first) takes one of the next round's shortest. -1: none left.
+__device__ __forceinline__ int item_index(int r, int items) {
+    const int w = r * gridDim.x + ((r & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
+    return w < items ? w : -1;
+}
+
+// Persistent: block b takes items item_index(0), item_index(1), ... of tiles x (num_heads / HEADS)
+// (a tile's head groups next to each other). The producer streams K/V tiles across items without
+// a pause; each consumer warpgroup brings the next item's Q in (cp.async) while it works on this
+// one.
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_prefill_wgmma(
     const scalar_t *__restrict__ q,        // (T, H, HEAD_DIM)
     scalar_t *__restrict__ out,            // (T, H, HEAD_DIM)
     const int *__restrict__ tile_seq,      // (tiles)
@@ -105,30 +131,36 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_prefill_wgmma(
     const int *__restrict__ seq_kv_len,    // (S) keys in the cache including this chunk
     const long long *__restrict__ k_ptrs,  // (S)
     const long long *__restrict__ v_ptrs,  // (S)
-    long long layer_offset, int num_heads, int num_kv_heads, int window, float scale) {
+    long long layer_offset, int num_heads, int num_kv_heads, int window, float scale, int tiles) {
     PDL_ENTER();
     extern __shared__ unsigned char smem_raw[];
     unsigned char *smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
-    unsigned char *sQ = smem;                        // HEADS x [ATOMS][64 rows][128 B]
-    unsigned char *sK = sQ + HEADS * TILE16;         // STAGES x [ATOMS][64 keys][128 B]
+    unsigned char *sQ = smem;                        // HEADS x 2 x [ATOMS][64 rows][128 B]
+    unsigned char *sK = sQ + 2 * HEADS * TILE16;     // STAGES x [ATOMS][64 keys][128 B]
     unsigned char *sV = sK + STAGES * TILE16;        // STAGES x [HEAD_DIM dims][64 keys = 128 B]
     unsigned char *sR = sV + STAGES * TILE16;        // RAW x [K, V][64 keys][RAW_ROW]
-    unsigned long long *full = reinterpret_cast<unsigned long long *>(sR + RAW * RAW_TILE);
+    Item *table = reinterpret_cast<Item *>(sR + RAW * RAW_TILE);  // the block's items in order
+    unsigned long long *full = reinterpret_cast<unsigned long long *>(table + ITEM_CAP);
     unsigned long long *empty = full + STAGES;
+    const int groups = num_heads / HEADS, items = tiles * groups;
 
-    const int tile = blockIdx.y, h0 = blockIdx.x * HEADS;
-    const int kvh = h0 / (num_heads / num_kv_heads);
-    const int s = tile_seq[tile], q0 = tile_q0[tile];
-    const int q_len = seq_q_len[s], kv_len = seq_kv_len[s];
-    const int start_pos = kv_len - q_len;
-    const int rows = min(BLOCK_M, q_len - q0);
-    const long long qbase = (long long)seq_q_start[s] + q0;
-    const int q_first = start_pos + q0, q_last = q_first + rows - 1;
-    const int k_hi = q_last + 1;  // causal: no key past the last query
-    const int k_lo = window > 0 ? max(0, q_first - window + 1) : 0;
-    const int n_begin = (k_lo / BLOCK_N) * BLOCK_N;
-    const int n_tiles = (k_hi - n_begin + BLOCK_N - 1) / BLOCK_N;
-
+    for (int r = threadIdx.x; r < ITEM_CAP; r += THREADS) {
+        const int w = item_index(r, items);
+        if (w < 0) break;
+        Item it;
+        const int tile = w / groups, s = tile_seq[tile], q0 = tile_q0[tile], q_len = seq_q_len[s];
+        it.h0 = (w % groups) * HEADS;
+        const long long kv_off = layer_offset + (long long)(it.h0 / (num_heads / num_kv_heads)) * HEAD_DIM;
+        it.kb = reinterpret_cast<const kv_t *>(k_ptrs[s]) + kv_off;
+        it.vb = reinterpret_cast<const kv_t *>(v_ptrs[s]) + kv_off;
+        it.rows = min(BLOCK_M, q_len - q0);
+        it.qbase = seq_q_start[s] + q0;
+        it.q_first = seq_kv_len[s] - q_len + q0;
+        const int k_lo = window > 0 ? max(0, it.q_first - window + 1) : 0;
+        it.n_begin = (k_lo / BLOCK_N) * BLOCK_N;
+        it.n_tiles = (it.q_first + it.rows - it.n_begin + BLOCK_N - 1) / BLOCK_N;
+        table[r] = it;
+    }
     if (threadIdx.x == 0) {
         for (int i = 0; i < STAGES; i++) {
             mbar_init(&full[i], 128);            // every producer thread hands its part over
@@ -136,50 +168,52 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_prefill_wgmma(
         }
     }
     __syncthreads();
+    int n_items = 0;  // the block's
+    while (n_items < ITEM_CAP && item_index(n_items, items) >= 0) n_items++;
+    constexpr int QCH = HEAD_DIM / 8;  // 16-byte chunks of a row
 
     if (threadIdx.x < 128) {  // ------------------------------------------------ producer
         const int tid = threadIdx.x;
         const long long kv_stride = (long long)num_kv_heads * HEAD_DIM;
-        const kv_t *kb = reinterpret_cast<const kv_t *>(k_ptrs[s]) + layer_offset + kvh * HEAD_DIM;
-        const kv_t *vb = reinterpret_cast<const kv_t *>(v_ptrs[s]) + layer_offset + kvh * HEAD_DIM;
-        constexpr int QCH = HEAD_DIM / 8;  // 16-byte chunks of a query row
-        for (int i = tid; i < HEADS * BLOCK_M * QCH; i += 128) {
-            const int hh = i / (BLOCK_M * QCH), r = (i / QCH) % BLOCK_M, c = i % QCH;
-            const bool ok = r < rows;
-            cp_async16(sQ + hh * TILE16 + (c / 8) * (BLOCK_M * 128) + smem_swizzle(r, c % 8),
-                       q + ((qbase + (ok ? r : 0)) * num_heads + h0 + hh) * HEAD_DIM + c * 8, ok);
-        }
         constexpr int PIECES = RAW_ROW / 16;  // 16-byte pieces of a cached row
-        auto load_raw = [&](int t) {
-            const int n0 = n_begin + t * BLOCK_N;
-            unsigned char *dk = sR + (t % RAW) * RAW_TILE, *dv = dk + BLOCK_N * RAW_ROW;
-            for (int i = tid; i < BLOCK_N * PIECES; i += 128) {
-                const int r = i / PIECES, c = i % PIECES, key = n0 + r;
-                const bool ok = key < k_hi;  // keys past the chunk are zeros (never NaN times 0 in P V)
-                const long long off = (long long)(ok ? key : 0) * kv_stride + c * (16 / (int)sizeof(kv_t));
-                cp_async16(dk + r * RAW_ROW + c * 16, kb + off, ok);
-                cp_async16(dv + r * RAW_ROW + c * 16, vb + off, ok);
+        int r = 0, t = 0, issued = 0;  // the next tile to copy: tile t of item r
+        auto issue = [&]() {  // copies of the next tile into raw stage issued % RAW, if any is left
+            if (r < n_items) {
+                const Item &it = table[r];
+                const int n0 = it.n_begin + t * BLOCK_N, k_hi = it.q_first + it.rows;
+                unsigned char *dk = sR + (issued % RAW) * RAW_TILE, *dv = dk + BLOCK_N * RAW_ROW;
+#pragma unroll
+                for (int u = 0; u < BLOCK_N * PIECES / 128; u++) {  // a static count: the offsets fold
+                    const int i = tid + 128 * u, row = i / PIECES, c = i % PIECES, key = n0 + row;
+                    const bool ok = key < k_hi;  // keys past the chunk are zeros (never NaN times 0 in P V)
+                    const long long off = (long long)(ok ? key : 0) * kv_stride + c * (16 / (int)sizeof(kv_t));
+                    cp_async16(dk + row * RAW_ROW + c * 16, it.kb + off, ok);
+                    cp_async16(dv + row * RAW_ROW + c * 16, it.vb + off, ok);
+                }
+                issued++;
+                if (++t == it.n_tiles) {
+                    t = 0;
+                    r++;
+                }
             }
+            cp_async_commit();  // a group a call, empty or not: the waits below count them
         };
 #pragma unroll
-        for (int t = 0; t < RAW - 1; t++) {  // Q goes in with tile 0's group
-            if (t < n_tiles) load_raw(t);
-            cp_async_commit();
-        }
-        for (int t = 0; t < n_tiles; t++) {
-            cp_async_wait<RAW - 2>();  // this thread's copies of tile t have landed
-            producers_sync();          // everyone's have, and everyone is done with tile t - 1's raw stage
-            if (t + RAW - 1 < n_tiles) load_raw(t + RAW - 1);
-            cp_async_commit();
-            const int st = t % STAGES;
-            if (t >= STAGES) mbar_wait(&empty[st], ((t / STAGES) - 1) & 1);
-            const unsigned char *rk = sR + (t % RAW) * RAW_TILE, *rv = rk + BLOCK_N * RAW_ROW;
+        for (int i = 0; i < RAW - 1; i++) issue();
+        for (int g = 0; g < issued; g++) {  // g: the block's g-th tile; issued runs RAW - 1 ahead
+            cp_async_wait<RAW - 2>();  // this thread's copies of tile g have landed
+            producers_sync();          // everyone's have, and everyone is done with tile g - 1's raw stage
+            issue();
+            const int st = g % STAGES;
+            if (g >= STAGES) mbar_wait(&empty[st], ((g / STAGES) - 1) & 1);
+            const unsigned char *rk = sR + (g % RAW) * RAW_TILE, *rv = rk + BLOCK_N * RAW_ROW;
             unsigned char *k16 = sK + st * TILE16, *v16 = sV + st * TILE16;
             // K: 8 values of a key a thread, as a 16-byte chunk of its row
-            for (int i = tid; i < BLOCK_N * QCH; i += 128) {
-                const int r = i / QCH, c = i % QCH;
-                *reinterpret_cast<uint4 *>(k16 + (c / 8) * (BLOCK_N * 128) + smem_swizzle(r, c % 8)) =
-                    widen8(rk + r * RAW_ROW + c * 8 * (int)sizeof(kv_t));
+#pragma unroll
+            for (int u = 0; u < BLOCK_N * QCH / 128; u++) {
+                const int i = tid + 128 * u, row = i / QCH, c = i % QCH;
+                *reinterpret_cast<uint4 *>(k16 + (c / 8) * (BLOCK_N * 128) + smem_swizzle(row, c % 8)) =
+                    widen8(rk + row * RAW_ROW + c * 8 * (int)sizeof(kv_t));
             }
             // V^T: 8 keys of DPU dims a thread (a 4-byte word of each key's row), one 16-byte
             // chunk of V^T's row for each dim: the words' bytes regrouped by dim, two keys a
@@ -189,11 +223,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_prefill_wgmma(
 #else
             constexpr int DPU = 2;
 #endif
-            for (int i = tid; i < (BLOCK_N / 8) * (HEAD_DIM / DPU); i += 128) {
-                const int dc = i % (HEAD_DIM / DPU), kc = i / (HEAD_DIM / DPU);
-                unsigned w[8];
 #pragma unroll
-                for (int j = 0; j < 8; j++) w[j] = *reinterpret_cast<const unsigned *>(rv + (kc * 8 + j) * RAW_ROW + dc * 4);
+            for (int u = 0; u < (BLOCK_N / 8) * (HEAD_DIM / DPU) / 128; u++) {
+                const int i = tid + 128 * u, dc = i % (HEAD_DIM / DPU), kc = i / (HEAD_DIM / DPU);
+                unsigned wd[8];
+#pragma unroll
+                for (int j = 0; j < 8; j++) wd[j] = *reinterpret_cast<const unsigned *>(rv + (kc * 8 + j) * RAW_ROW + dc * 4);
 #pragma unroll
                 for (int d = 0; d < DPU; d++) {
                     uint4 chunk;
@@ -201,10 +236,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_prefill_wgmma(
 #pragma unroll
                     for (int p = 0; p < 4; p++) {
 #if KV_FP8
-                        const unsigned pair = __byte_perm(w[2 * p], w[2 * p + 1], d | ((4 + d) << 4));
+                        const unsigned pair = __byte_perm(wd[2 * p], wd[2 * p + 1], d | ((4 + d) << 4));
                         c4[p] = fp8x2_to_scalar2((unsigned short)(pair & 0xffff));
 #else
-                        c4[p] = __byte_perm(w[2 * p], w[2 * p + 1], d ? 0x7632 : 0x5410);
+                        c4[p] = __byte_perm(wd[2 * p], wd[2 * p + 1], d ? 0x7632 : 0x5410);
 #endif
                     }
                     *reinterpret_cast<uint4 *>(v16 + smem_swizzle(dc * DPU + d, kc)) = chunk;
@@ -217,75 +252,102 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_prefill_wgmma(
     }
 
     // ---------------------------------------------------------------- consumers: one head each
-    const int c = threadIdx.x / 128 - 1, h = h0 + c;
+    const int c = threadIdx.x / 128 - 1;
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;  // warp: its 16 of the 64 queries
     const int g = lane >> 2, qd = lane & 3;
-    const unsigned char *q_tile = sQ + c * TILE16;
-    float o[HEAD_DIM / 8][4];
-#pragma unroll
-    for (int j = 0; j < HEAD_DIM / 8; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
-    float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.0f, 0.0f};  // rows g and g + 8, log2 domain
     const float scale2 = scale * 1.4426950408889634f;
-    const int pos0 = q_first + warp * 16 + g;  // query positions of this lane's two rows
-    const int wq_lo = q_first + warp * 16, wq_hi = wq_lo + 15;
-
-    for (int t = 0; t < n_tiles; t++) {
-        const int st = t % STAGES, n0 = n_begin + t * BLOCK_N;
-        mbar_wait(&full[st], (t / STAGES) & 1);
-        const unsigned char *k16 = sK + st * TILE16, *v16 = sV + st * TILE16;
-        float sc[BLOCK_N / 8][4];
-        wgmma_fence();
+    auto load_q = [&](int r, int buf) {  // this head's 64 x HEAD_DIM queries of item r, if any
+        if (r < n_items) {
+            const Item &it = table[r];
+            unsigned char *dst = sQ + (2 * c + buf) * TILE16;
 #pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; kk++) {
-            const int at = (kk / 4) * (64 * 128) + (kk % 4) * 32;
-            wgmma_ss64(sc, smem_desc(q_tile + at), smem_desc(k16 + at), kk);
-        }
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_acc2(sc);
-        const bool full_tile = n0 + BLOCK_N - 1 <= wq_lo && n0 + BLOCK_N <= k_hi &&
-                               (window <= 0 || n0 > wq_hi - window);
-        if (!full_tile) {
-#pragma unroll
-            for (int j = 0; j < BLOCK_N / 8; j++) {
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    const int key = n0 + j * 8 + 2 * qd + (i & 1), pos = pos0 + (i >> 1) * 8;
-                    const bool ok = key <= pos && key < k_hi && (window <= 0 || key > pos - window);
-                    if (!ok) sc[j][i] = NEG_INF;
-                }
+            for (int u = 0; u < BLOCK_M * QCH / 128; u++) {
+                const int i = threadIdx.x % 128 + 128 * u, row = i / QCH, ch = i % QCH;
+                const bool ok = row < it.rows;
+                cp_async16(dst + (ch / 8) * (BLOCK_M * 128) + smem_swizzle(row, ch % 8),
+                           q + ((long long)(it.qbase + (ok ? row : 0)) * num_heads + it.h0 + c) * HEAD_DIM + ch * 8, ok);
             }
         }
-        online_softmax(sc, m_run, l_run, o, scale2);
-        unsigned a[BLOCK_N / 16][4];
+        cp_async_commit();
+    };
+    load_q(0, 0);
+    load_q(1, 1);
+    const unsigned long long dq0 = smem_desc(sQ + 2 * c * TILE16), dk0 = smem_desc(sK), dv0 = smem_desc(sV);
+    int gt = 0;  // the block's tiles so far
+    for (int r = 0; r < n_items; r++) {
+        const int rows = table[r].rows, q_first = table[r].q_first, n_begin = table[r].n_begin;
+        const int n_tiles = table[r].n_tiles, qbase = table[r].qbase, h = table[r].h0 + c, k_hi = q_first + rows;
+        cp_async_wait<1>();  // this thread's part of the item's Q has landed (the next one's may not)
+        fence_proxy_async();
+        asm volatile("bar.sync %0, 128;" ::"r"(2 + c) : "memory");  // the warpgroup's parts have
+        const unsigned long long dq = dq0 + (r % 2) * (TILE16 >> 4);
+        float o[HEAD_DIM / 8][4];
 #pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; kk++) {
-            a[kk][0] = pack2(sc[2 * kk][0], sc[2 * kk][1]);
-            a[kk][1] = pack2(sc[2 * kk][2], sc[2 * kk][3]);
-            a[kk][2] = pack2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-            a[kk][3] = pack2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+        for (int j = 0; j < HEAD_DIM / 8; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+        float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.0f, 0.0f};  // rows g and g + 8, log2 domain
+        const int pos0 = q_first + warp * 16 + g;  // query positions of this lane's two rows
+        const int wq_lo = q_first + warp * 16, wq_hi = wq_lo + 15;
+
+        for (int t = 0; t < n_tiles; t++, gt++) {
+            const int st = gt % STAGES, n0 = n_begin + t * BLOCK_N;
+            mbar_wait(&full[st], (gt / STAGES) & 1);
+            // the stage's descriptors: a byte offset within shared memory adds offset / 16 (smem_desc)
+            const unsigned long long dk = dk0 + st * (TILE16 >> 4), dv = dv0 + st * (TILE16 >> 4);
+            float sc[BLOCK_N / 8][4];
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < HEAD_DIM / 16; kk++) {
+                const int at = (kk / 4) * (64 * 128) + (kk % 4) * 32;
+                wgmma_ss64(sc, dq + (at >> 4), dk + (at >> 4), kk);
+            }
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_acc2(sc);
+            const bool full_tile = n0 + BLOCK_N - 1 <= wq_lo && n0 + BLOCK_N <= k_hi &&
+                                   (window <= 0 || n0 > wq_hi - window);
+            if (!full_tile) {
+#pragma unroll
+                for (int j = 0; j < BLOCK_N / 8; j++) {
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        const int key = n0 + j * 8 + 2 * qd + (i & 1), pos = pos0 + (i >> 1) * 8;
+                        const bool ok = key <= pos && key < k_hi && (window <= 0 || key > pos - window);
+                        if (!ok) sc[j][i] = NEG_INF;
+                    }
+                }
+            }
+            online_softmax(sc, m_run, l_run, o, scale2);
+            unsigned a[BLOCK_N / 16][4];
+#pragma unroll
+            for (int kk = 0; kk < BLOCK_N / 16; kk++) {
+                a[kk][0] = pack2(sc[2 * kk][0], sc[2 * kk][1]);
+                a[kk][1] = pack2(sc[2 * kk][2], sc[2 * kk][3]);
+                a[kk][2] = pack2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+                a[kk][3] = pack2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+            }
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < BLOCK_N / 16; kk++) wgmma_rs(o, a[kk], dv + kk * 2);
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_acc2(o);
+            mbar_arrive(&empty[st]);
         }
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; kk++) wgmma_rs(o, a[kk], smem_desc(v16 + kk * 32));
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_acc2(o);
-        mbar_arrive(&empty[st]);
-    }
+        load_q(r + 2, r % 2);  // this item's MMAs are done with its Q buffer
 
 #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
-        l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
-    }
-    const float inv0 = l_run[0] > 0.0f ? 1.0f / l_run[0] : 0.0f, inv1 = l_run[1] > 0.0f ? 1.0f / l_run[1] : 0.0f;
-    const int r0 = warp * 16 + g;
-    scalar_t *o0 = out + ((qbase + r0) * num_heads + h) * HEAD_DIM + 2 * qd;
-    scalar_t *o1 = o0 + 8LL * num_heads * HEAD_DIM;
+        for (int i = 0; i < 2; i++) {
+            l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 1);
+            l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 2);
+        }
+        const float inv0 = l_run[0] > 0.0f ? 1.0f / l_run[0] : 0.0f, inv1 = l_run[1] > 0.0f ? 1.0f / l_run[1] : 0.0f;
+        const int r0 = warp * 16 + g;
+        scalar_t *o0 = out + ((long long)(qbase + r0) * num_heads + h) * HEAD_DIM + 2 * qd;
+        scalar_t *o1 = o0 + 8LL * num_heads * HEAD_DIM;
 #pragma unroll
-    for (int j = 0; j < HEAD_DIM / 8; j++) {
-        if (r0 < rows) *reinterpret_cast<unsigned *>(o0 + j * 8) = pack2(o[j][0] * inv0, o[j][1] * inv0);
-        if (r0 + 8 < rows) *reinterpret_cast<unsigned *>(o1 + j * 8) = pack2(o[j][2] * inv1, o[j][3] * inv1);
+        for (int j = 0; j < HEAD_DIM / 8; j++) {
+            if (r0 < rows) *reinterpret_cast<unsigned *>(o0 + j * 8) = pack2(o[j][0] * inv0, o[j][1] * inv0);
+            if (r0 + 8 < rows) *reinterpret_cast<unsigned *>(o1 + j * 8) = pack2(o[j][2] * inv1, o[j][3] * inv1);
+        }
     }
 }

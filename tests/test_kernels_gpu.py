@@ -880,12 +880,18 @@ def test_flash_prefill(kernel, kv8, heads, window, D, monkeypatch):
     args = (cp.asarray(q.astype(np.float16)), cp.asarray(tile_seq), cp.asarray(tile_q0), cp.asarray(q_start),
             cp.asarray(q_lens), cp.asarray(kv_lens), kp, vp, 0, KVH, D ** -0.5)
     outs = {}
-    for most in (1, 2):  # (max_keys below SHARE_MIN_KEYS: one head a block)
-        monkeypatch.setattr(fp, "WGMMA_MAX_HEADS", most)
+    most_heads = dict(fp.WGMMA_MAX_HEADS)
+    for most in (1, 2):  # one head a block; the most (max_keys below SHARE_MIN_KEYS: one head a block)
+        monkeypatch.setattr(fp, "WGMMA_MAX_HEADS", most_heads if most == 2 else dict.fromkeys(most_heads, 1))
         assert fp.use_wgmma(D) == (kernel == "wgmma")
         outs[most] = cp.full((T, H, D), np.nan, np.float16)
         fp.flash_prefill(*args, outs[most], window, kv_fp8=kv8, max_keys=fp.SHARE_MIN_KEYS * (most - 1))
     np.testing.assert_array_equal(cp.asnumpy(outs[2]), cp.asnumpy(outs[1]))
+    if kernel == "wgmma":  # three persistent blocks, each taking work items of several sequences and heads
+        monkeypatch.setattr(fp, "WGMMA_MAX_BLOCKS", 3)
+        few = cp.full((T, H, D), np.nan, np.float16)
+        fp.flash_prefill(*args, few, window, kv_fp8=kv8)
+        np.testing.assert_array_equal(cp.asnumpy(few), cp.asnumpy(outs[1]))
     got = cp.asnumpy(outs[2]).astype(np.float64)
     qr = rounded(q, "float16").astype(np.float64)
     for s in range(S):
