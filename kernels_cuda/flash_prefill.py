@@ -7,8 +7,8 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
-from ._module import (blocks_per_sm, check, check_scalar, f32, function, i32, i64, module, sm_count, use_bf16,
-                      wgmma_supported)
+from ._module import (MAX_BLOCK_SMEM, blocks_per_sm, check, check_scalar, f32, function, i32, i64, module, sm_count,
+                      use_bf16, wgmma_supported)
 
 BLOCK_M = 64
 BLOCK_N = 64
@@ -24,9 +24,10 @@ SHARE_MIN_KEYS = 4096
 # flash_prefill_wgmma.cu on sm_90 for these head dims (False: flash_prefill.cu everywhere)
 WGMMA = True
 WGMMA_HEAD_DIMS = (64, 128)
-WGMMA_RAW, WGMMA_STAGES = 2, 2  # stages of K/V rows as cached, of 16-bit K / V^T tiles
+WGMMA_RAW = 2  # stages of K/V rows as cached
+WGMMA_STAGES = 3  # stages of 16-bit K / V^T tiles at most (fewer where the shared memory is short)
 WGMMA_ITEM_CAP, WGMMA_ITEM_BYTES = 160, 48  # the work items a block may take (its table in shared memory)
-# consumer warpgroups (query heads) a block, by head dim. At 128 a thread holds ~157 registers, so
+# consumer warpgroups (query heads) a block, by head dim. At 128 a thread holds ~164 registers, so
 # three warpgroups (168 at most each) fit an SM's 64 K. At 64 one head a block: H200, SmolLM2's
 # heads (9 over 3), 4 prompts of 448 tokens, e4m3 cache: 12.7 us a launch against 15.8 with three
 # (two 256-thread blocks an SM against one of 512)
@@ -34,6 +35,13 @@ WGMMA_MAX_HEADS = {64: 1, 128: 2}
 WGMMA_MIN_BLOCKS = {64: 2, 128: 1}  # blocks an SM the registers are capped for (two at 64: 128 each)
 
 
+# launches whose longest row has fewer keys stay on flash_prefill.cu. H200, us a launch, flash_prefill.cu
+# -> flash_prefill_wgmma.cu (the same bits): Llama-3-8B's heads (32 over 8), e4m3 cache, 16 prompts of
+# 128 tokens 39.7 -> 29.2, 4 of 448 60.5 -> 40.3, one of 2,048 208.9 -> 116.2, one of 8,192 2,608 ->
+# 1,558; 16-bit cache 4 of 448 52.9 -> 41.8, one of 2,048 170.4 -> 126.0. SmolLM2's (9 over 3, head
+# dim 64): 4 of 448 18.7 -> 22.4 and 16 of 128 19.0 -> 23.7 (a small launch: the persistent blocks'
+# start costs more than they save), one of 1,024 31.3 -> 22.8, one of 2,048 51.7 -> 41.0
+WGMMA_MIN_KEYS = {64: 1024, 128: 0}
 WGMMA_MAX_BLOCKS: int | None = None  # the persistent grid at most (tests: several items a block); None: a full wave
 
 
@@ -44,19 +52,26 @@ def wgmma_heads(num_heads: int, num_kv_heads: int, head_dim: int) -> int:
     return max(h for h in range(1, WGMMA_MAX_HEADS[head_dim] + 1) if group % h == 0)
 
 
-def wgmma_smem_bytes(head_dim: int, kv_fp8: bool, heads: int) -> int:
+def wgmma_smem_bytes(head_dim: int, kv_fp8: bool, heads: int, stages: int) -> int:
     """flash_prefill_wgmma.cu's shared memory: 1,024 bytes to align, two Q tiles a head (this work
     item's, the next one's) and the 16-bit K and V^T stages (64 x head_dim each), the raw stages (K
     and V rows as cached), the work items' table, the mbarriers."""
     tile16 = 64 * head_dim * 2
     raw_tile = 2 * 64 * head_dim * (1 if kv_fp8 else 2)
-    return (1024 + 2 * (heads + WGMMA_STAGES) * tile16 + WGMMA_RAW * raw_tile + WGMMA_ITEM_CAP * WGMMA_ITEM_BYTES
-            + 2 * WGMMA_STAGES * 8)
+    return (1024 + 2 * (heads + stages) * tile16 + WGMMA_RAW * raw_tile + WGMMA_ITEM_CAP * WGMMA_ITEM_BYTES
+            + 2 * stages * 8)
 
 
-def use_wgmma(head_dim: int) -> bool:
-    """Whether flash_prefill launches flash_prefill_wgmma.cu for this head dim here."""
-    return WGMMA and head_dim in WGMMA_HEAD_DIMS and wgmma_supported()
+def wgmma_stages(head_dim: int, kv_fp8: bool, heads: int) -> int:
+    """The 16-bit stages a flash_prefill_wgmma.cu block has room for: WGMMA_STAGES, or fewer."""
+    return max([s for s in range(1, WGMMA_STAGES + 1) if wgmma_smem_bytes(head_dim, kv_fp8, heads, s) <= MAX_BLOCK_SMEM]
+               or [1])
+
+
+def use_wgmma(head_dim: int, max_keys: int) -> bool:
+    """Whether flash_prefill launches flash_prefill_wgmma.cu for this head dim and longest row here."""
+    return (WGMMA and head_dim in WGMMA_HEAD_DIMS and max_keys >= WGMMA_MIN_KEYS[head_dim]
+            and wgmma_supported())
 
 
 def heads_per_block(num_heads: int, num_kv_heads: int, max_keys: int = 0) -> int:
@@ -126,11 +141,12 @@ def flash_prefill(q: cp.ndarray, tile_seq: cp.ndarray, tile_q0: cp.ndarray, seq_
         return out
     args = (q, out, tile_seq, tile_q0, seq_q_start, seq_q_len, seq_kv_len, k_ptrs, v_ptrs, i64(layer_offset), i32(H),
             i32(num_kv_heads), i32(window), f32(scale))
-    if use_wgmma(D):
+    if use_wgmma(D, max_keys):
         heads = wgmma_heads(H, num_kv_heads, D)
-        smem, threads = wgmma_smem_bytes(D, kv_fp8, heads), 128 * (heads + 1)
+        stages = wgmma_stages(D, kv_fp8, heads)
+        smem, threads = wgmma_smem_bytes(D, kv_fp8, heads, stages), 128 * (heads + 1)
         mod = module("flash_prefill_wgmma", arch="sm_90a", USE_BF16=use_bf16(q), HEAD_DIM=D, KV_FP8=int(kv_fp8),
-                     HEADS=heads, RAW=WGMMA_RAW, STAGES=WGMMA_STAGES, ITEM_CAP=WGMMA_ITEM_CAP,
+                     HEADS=heads, RAW=WGMMA_RAW, STAGES=stages, ITEM_CAP=WGMMA_ITEM_CAP,
                      MIN_BLOCKS=WGMMA_MIN_BLOCKS[D])
         kernel = function(mod, "flash_prefill_wgmma", smem)
         items = n_tiles * (H // heads)  # persistent: as many blocks as fit at once take the items in turn

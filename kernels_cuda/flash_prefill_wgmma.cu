@@ -1,15 +1,16 @@
 // Causal flash attention for a ragged batch of prefill chunks on Hopper's wgmma (sm_90a): the
-// same launch, arguments and results as flash_prefill.cu (flash_prefill.py picks it on sm_90),
+// same arguments and results as flash_prefill.cu, bit for bit (flash_prefill.py picks it on sm_90),
 // with the K/V tiles' copies and their widening to 16 bits taken off the MMAs' path.
 //
-// A block takes 64 queries of HEADS query heads that share a KV head. Warpgroup 0 is the
-// producer: it copies K/V tiles of 64 keys from the cache into RAW raw stages (cp.async), then
+// A work item is 64 queries of HEADS query heads that share a KV head. Warpgroup 0 of a block is
+// the producer: it copies K/V tiles of 64 keys from the cache into RAW raw stages (cp.async), then
 // writes them as the MMAs read them into STAGES 16-bit stages (K as it is, V transposed; e4m3
 // widened on the way) and hands each over on a full mbarrier. Warpgroup 1 + i runs query head
 // h0 + i: S = Q K^T (m64n64k16, Q and K from shared memory), the online softmax in registers
 // (the scores' accumulators are, element for element, the A fragments of P), then O += P V
-// (m64nDk16, P from registers), and hands the stage back on an empty mbarrier. So a tile's
-// copies, widening and barriers run while the tiles before it are multiplied.
+// (m64nDk16, P from registers) with the next tile's S issued behind it, and hands the stage back
+// on an empty mbarrier. So a tile's copies, widening and barriers run while the tiles before it
+// are multiplied, and the tensor cores take P V and the next S back to back.
 //
 // The arithmetic per query row: 16-bit products summed in float32 by the tensor cores, the
 // softmax as flash_prefill.cu's (common.cuh's online_softmax), P rounded to 16 bits for P V.
@@ -288,21 +289,23 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_prefill_
         const int pos0 = q_first + warp * 16 + g;  // query positions of this lane's two rows
         const int wq_lo = q_first + warp * 16, wq_hi = wq_lo + 15;
 
-        for (int t = 0; t < n_tiles; t++, gt++) {
-            const int st = gt % STAGES, n0 = n_begin + t * BLOCK_N;
-            mbar_wait(&full[st], (gt / STAGES) & 1);
-            // the stage's descriptors: a byte offset within shared memory adds offset / 16 (smem_desc)
-            const unsigned long long dk = dk0 + st * (TILE16 >> 4), dv = dv0 + st * (TILE16 >> 4);
-            float sc[BLOCK_N / 8][4];
-            wgmma_fence();
+        // Tile by tile: the scores' softmax, then O += P V with the next tile's S = Q K^T behind it
+        // (the tensor cores take both back to back). No branch holds an MMA (ptxas would serialize
+        // them): the last tile runs outside the loop.
+        float sc[BLOCK_N / 8][4];
+        unsigned a[BLOCK_N / 16][4];
+        auto stage_ready = [&](int gtile) { mbar_wait(&full[gtile % STAGES], (gtile / STAGES) & 1); };
+        auto scores = [&](int gtile) {  // issued, not waited for
+            // the stage's descriptor: a byte offset within shared memory adds offset / 16 (smem_desc)
+            const unsigned long long dk = dk0 + (gtile % STAGES) * (TILE16 >> 4);
 #pragma unroll
             for (int kk = 0; kk < HEAD_DIM / 16; kk++) {
                 const int at = (kk / 4) * (64 * 128) + (kk % 4) * 32;
                 wgmma_ss64(sc, dq + (at >> 4), dk + (at >> 4), kk);
             }
-            wgmma_commit();
-            wgmma_wait<0>();
-            fence_acc2(sc);
+        };
+        auto softmax = [&](int t) {  // sc -> P in a; o and the running sums rescaled
+            const int n0 = n_begin + t * BLOCK_N;
             const bool full_tile = n0 + BLOCK_N - 1 <= wq_lo && n0 + BLOCK_N <= k_hi &&
                                    (window <= 0 || n0 > wq_hi - window);
             if (!full_tile) {
@@ -317,7 +320,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_prefill_
                 }
             }
             online_softmax(sc, m_run, l_run, o, scale2);
-            unsigned a[BLOCK_N / 16][4];
 #pragma unroll
             for (int kk = 0; kk < BLOCK_N / 16; kk++) {
                 a[kk][0] = pack2(sc[2 * kk][0], sc[2 * kk][1]);
@@ -325,14 +327,40 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_prefill_
                 a[kk][2] = pack2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
                 a[kk][3] = pack2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
             }
-            wgmma_fence();
+        };
+        auto pv = [&](int gtile) {  // issued, not waited for
+            const unsigned long long dv = dv0 + (gtile % STAGES) * (TILE16 >> 4);
 #pragma unroll
             for (int kk = 0; kk < BLOCK_N / 16; kk++) wgmma_rs(o, a[kk], dv + kk * 2);
+        };
+        auto retire = [&](int gtile) {  // the MMAs done: the stage goes back
             wgmma_commit();
             wgmma_wait<0>();
             fence_acc2(o);
-            mbar_arrive(&empty[st]);
+            fence_acc2(sc);
+#pragma unroll
+            for (int kk = 0; kk < BLOCK_N / 16; kk++)  // P's registers stay P's until the MMAs have read them
+                asm volatile("" ::"r"(a[kk][0]), "r"(a[kk][1]), "r"(a[kk][2]), "r"(a[kk][3]));
+            mbar_arrive(&empty[gtile % STAGES]);
+        };
+        stage_ready(gt);
+        wgmma_fence();
+        scores(gt);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_acc2(sc);
+        for (int t = 0; t + 1 < n_tiles; t++, gt++) {
+            softmax(t);
+            stage_ready(gt + 1);
+            wgmma_fence();
+            pv(gt);
+            scores(gt + 1);
+            retire(gt);
         }
+        softmax(n_tiles - 1);
+        wgmma_fence();
+        pv(gt);
+        retire(gt++);
         load_q(r + 2, r % 2);  // this item's MMAs are done with its Q buffer
 
 #pragma unroll

@@ -864,6 +864,7 @@ def test_flash_prefill(kernel, kv8, heads, window, D, monkeypatch):
     if kernel == "wgmma" and not wgmma_supported():
         pytest.skip("flash_prefill_wgmma.cu needs an sm_90 GPU")
     monkeypatch.setattr(fp, "WGMMA", kernel == "wgmma")
+    monkeypatch.setattr(fp, "WGMMA_MIN_KEYS", dict.fromkeys(fp.WGMMA_MIN_KEYS, 0))
     (H, KVH), region = heads, 512
     starts, q_lens = np.array([0, 37, 100, 5], np.int32), np.array([70, 1, 150, 64], np.int32)
     kv_lens, S, T = starts + q_lens, len(q_lens), int(q_lens.sum())
@@ -883,15 +884,21 @@ def test_flash_prefill(kernel, kv8, heads, window, D, monkeypatch):
     most_heads = dict(fp.WGMMA_MAX_HEADS)
     for most in (1, 2):  # one head a block; the most (max_keys below SHARE_MIN_KEYS: one head a block)
         monkeypatch.setattr(fp, "WGMMA_MAX_HEADS", most_heads if most == 2 else dict.fromkeys(most_heads, 1))
-        assert fp.use_wgmma(D) == (kernel == "wgmma")
+        assert fp.use_wgmma(D, 0) == (kernel == "wgmma")
         outs[most] = cp.full((T, H, D), np.nan, np.float16)
         fp.flash_prefill(*args, outs[most], window, kv_fp8=kv8, max_keys=fp.SHARE_MIN_KEYS * (most - 1))
     np.testing.assert_array_equal(cp.asnumpy(outs[2]), cp.asnumpy(outs[1]))
-    if kernel == "wgmma":  # three persistent blocks, each taking work items of several sequences and heads
+    if kernel == "wgmma":
+        # three persistent blocks, each taking work items of several sequences and heads
         monkeypatch.setattr(fp, "WGMMA_MAX_BLOCKS", 3)
         few = cp.full((T, H, D), np.nan, np.float16)
         fp.flash_prefill(*args, few, window, kv_fp8=kv8)
         np.testing.assert_array_equal(cp.asnumpy(few), cp.asnumpy(outs[1]))
+        # flash_prefill.cu's bits: the same products, sums and softmax in the same order
+        monkeypatch.setattr(fp, "WGMMA", False)
+        mma = cp.full((T, H, D), np.nan, np.float16)
+        fp.flash_prefill(*args, mma, window, kv_fp8=kv8)
+        np.testing.assert_array_equal(cp.asnumpy(mma), cp.asnumpy(outs[1]))
     got = cp.asnumpy(outs[2]).astype(np.float64)
     qr = rounded(q, "float16").astype(np.float64)
     for s in range(S):
