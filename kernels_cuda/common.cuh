@@ -244,6 +244,60 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
     return *reinterpret_cast<unsigned *>(&v);
 }
 
+// Prefill attention tiles (flash_prefill.cu, flash_prefill_wgmma.cu), a warp's 16 query rows at
+// positions wq_lo..wq_hi: lane 4g + qd holds rows g and g + 8 (positions pos0, pos0 + 8) and, of
+// 8-key tile j, keys n0 + 8j + 2qd + (i & 1). causal_mask: keys past a row's position, past k_hi
+// (the chunk's end) or before its window to -inf; nothing to do where the tile is wholly visible
+// to the warp's rows.
+template <int STILES>
+__device__ __forceinline__ void causal_mask(float (&sc)[STILES][4], int n0, int pos0, int wq_lo, int wq_hi, int k_hi,
+                                            int window, int qd) {
+    const bool full = n0 + 8 * STILES - 1 <= wq_lo && n0 + 8 * STILES <= k_hi && (window <= 0 || n0 > wq_hi - window);
+    if (!full) {
+#pragma unroll
+        for (int j = 0; j < STILES; j++) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int key = n0 + j * 8 + 2 * qd + (i & 1), pos = pos0 + (i >> 1) * 8;
+                const bool ok = key <= pos && key < k_hi && (window <= 0 || key > pos - window);
+                if (!ok) sc[j][i] = NEG_INF;
+            }
+        }
+    }
+}
+
+// The probabilities as the A fragments of P V (m16n8k16's, and wgmma's register A): the
+// accumulators of 8-key tiles 2kk and 2kk + 1 are 16-key fragment kk.
+template <int STILES>
+__device__ __forceinline__ void p_fragments(const float (&sc)[STILES][4], unsigned (&a)[STILES / 2][4]) {
+#pragma unroll
+    for (int kk = 0; kk < STILES / 2; kk++) {
+        a[kk][0] = pack2(sc[2 * kk][0], sc[2 * kk][1]);
+        a[kk][1] = pack2(sc[2 * kk][2], sc[2 * kk][3]);
+        a[kk][2] = pack2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+        a[kk][3] = pack2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+    }
+}
+
+// The warp's output rows, divided by the running sums (summed over the lane quad) and rounded:
+// row g at o_g (this lane's first column), row g + 8 at o_g + row8; rows from `rows` on (a
+// tile's padding) not written. r0: row g's index in the tile.
+template <int OTILES>
+__device__ __forceinline__ void store_rows(const float (&o)[OTILES][4], float l_run[2], scalar_t *o_g, long long row8,
+                                           int r0, int rows) {
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
+        l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
+    }
+    const float inv0 = l_run[0] > 0.0f ? 1.0f / l_run[0] : 0.0f, inv1 = l_run[1] > 0.0f ? 1.0f / l_run[1] : 0.0f;
+#pragma unroll
+    for (int j = 0; j < OTILES; j++) {
+        if (r0 < rows) *reinterpret_cast<unsigned *>(o_g + j * 8) = pack2(o[j][0] * inv0, o[j][1] * inv0);
+        if (r0 + 8 < rows) *reinterpret_cast<unsigned *>(o_g + row8 + j * 8) = pack2(o[j][2] * inv1, o[j][3] * inv1);
+    }
+}
+
 __device__ __forceinline__ unsigned smem_addr(const void *p) {
     unsigned a;
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));

@@ -152,25 +152,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_prefill(
                     mma_16816(sc[j + 1], qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], b[2], b[3]);
                 }
             }
-            const bool full = n0 + BLOCK_N - 1 <= wq_lo && n0 + BLOCK_N <= k_hi &&
-                              (window <= 0 || n0 > wq_hi - window);
-            if (!full) {
-#pragma unroll
-                for (int j = 0; j < STILES; j++) {
-#pragma unroll
-                    for (int i = 0; i < 4; i++) {
-                        const int key = n0 + j * 8 + 2 * qd + (i & 1), pos = pos0 + (i >> 1) * 8;
-                        const bool ok = key <= pos && key < k_hi && (window <= 0 || key > pos - window);
-                        if (!ok) sc[j][i] = NEG_INF;
-                    }
-                }
-            }
+            causal_mask(sc, n0, pos0, wq_lo, wq_hi, k_hi, window, qd);
             online_softmax(sc, m_run, l_run, o, scale2);
+            unsigned a[BLOCK_N / 16][4];
+            p_fragments(sc, a);
 #pragma unroll
             for (int kk = 0; kk < BLOCK_N / 16; kk++) {
-                const unsigned a0 = pack2(sc[2 * kk][0], sc[2 * kk][1]), a1 = pack2(sc[2 * kk][2], sc[2 * kk][3]);
-                const unsigned a2 = pack2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-                const unsigned a3 = pack2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+                const unsigned a0 = a[kk][0], a1 = a[kk][1], a2 = a[kk][2], a3 = a[kk][3];
 #pragma unroll
                 for (int j = 0; j < OTILES; j += 2) {
                     unsigned b[4];
@@ -183,18 +171,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_prefill(
         __syncthreads();  // everyone is done with buffer t & 1 before tile t + 2 overwrites it
     }
 
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
-        l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
-    }
-    const float inv0 = l_run[0] > 0.0f ? 1.0f / l_run[0] : 0.0f, inv1 = l_run[1] > 0.0f ? 1.0f / l_run[1] : 0.0f;
     const int r0 = warp * 16 + g;
-    scalar_t *o0 = out + ((qbase + r0) * num_heads + h) * HEAD_DIM + 2 * qd;
-    scalar_t *o1 = o0 + 8LL * num_heads * HEAD_DIM;
-#pragma unroll
-    for (int j = 0; j < OTILES; j++) {
-        if (r0 < rows) *reinterpret_cast<unsigned *>(o0 + j * 8) = pack2(o[j][0] * inv0, o[j][1] * inv0);
-        if (r0 + 8 < rows) *reinterpret_cast<unsigned *>(o1 + j * 8) = pack2(o[j][2] * inv1, o[j][3] * inv1);
-    }
+    store_rows(o, l_run, out + ((qbase + r0) * num_heads + h) * HEAD_DIM + 2 * qd, 8LL * num_heads * HEAD_DIM, r0,
+               rows);
 }

@@ -305,28 +305,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_prefill_
             }
         };
         auto softmax = [&](int t) {  // sc -> P in a; o and the running sums rescaled
-            const int n0 = n_begin + t * BLOCK_N;
-            const bool full_tile = n0 + BLOCK_N - 1 <= wq_lo && n0 + BLOCK_N <= k_hi &&
-                                   (window <= 0 || n0 > wq_hi - window);
-            if (!full_tile) {
-#pragma unroll
-                for (int j = 0; j < BLOCK_N / 8; j++) {
-#pragma unroll
-                    for (int i = 0; i < 4; i++) {
-                        const int key = n0 + j * 8 + 2 * qd + (i & 1), pos = pos0 + (i >> 1) * 8;
-                        const bool ok = key <= pos && key < k_hi && (window <= 0 || key > pos - window);
-                        if (!ok) sc[j][i] = NEG_INF;
-                    }
-                }
-            }
+            causal_mask(sc, n_begin + t * BLOCK_N, pos0, wq_lo, wq_hi, k_hi, window, qd);
             online_softmax(sc, m_run, l_run, o, scale2);
-#pragma unroll
-            for (int kk = 0; kk < BLOCK_N / 16; kk++) {
-                a[kk][0] = pack2(sc[2 * kk][0], sc[2 * kk][1]);
-                a[kk][1] = pack2(sc[2 * kk][2], sc[2 * kk][3]);
-                a[kk][2] = pack2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-                a[kk][3] = pack2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
-            }
+            p_fragments(sc, a);
         };
         auto pv = [&](int gtile) {  // issued, not waited for
             const unsigned long long dv = dv0 + (gtile % STAGES) * (TILE16 >> 4);
@@ -363,19 +344,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_prefill_
         retire(gt++);
         load_q(r + 2, r % 2);  // this item's MMAs are done with its Q buffer
 
-#pragma unroll
-        for (int i = 0; i < 2; i++) {
-            l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 1);
-            l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 2);
-        }
-        const float inv0 = l_run[0] > 0.0f ? 1.0f / l_run[0] : 0.0f, inv1 = l_run[1] > 0.0f ? 1.0f / l_run[1] : 0.0f;
         const int r0 = warp * 16 + g;
-        scalar_t *o0 = out + ((long long)(qbase + r0) * num_heads + h) * HEAD_DIM + 2 * qd;
-        scalar_t *o1 = o0 + 8LL * num_heads * HEAD_DIM;
-#pragma unroll
-        for (int j = 0; j < HEAD_DIM / 8; j++) {
-            if (r0 < rows) *reinterpret_cast<unsigned *>(o0 + j * 8) = pack2(o[j][0] * inv0, o[j][1] * inv0);
-            if (r0 + 8 < rows) *reinterpret_cast<unsigned *>(o1 + j * 8) = pack2(o[j][2] * inv1, o[j][3] * inv1);
-        }
+        store_rows(o, l_run, out + ((long long)(qbase + r0) * num_heads + h) * HEAD_DIM + 2 * qd,
+                   8LL * num_heads * HEAD_DIM, r0, rows);
     }
 }

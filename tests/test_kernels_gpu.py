@@ -858,7 +858,8 @@ def test_flash_prefill(kernel, kv8, heads, window, D, monkeypatch):
     Both kernels: flash_prefill.cu and, on Hopper, flash_prefill_wgmma.cu. Blocks that take
     two query heads of a KV head (flash_prefill.cu: what a launch with a long sequence gets,
     flash_prefill.heads_per_block; flash_prefill_wgmma.cu: two consumer warpgroups) give the
-    bits of blocks that take one."""
+    bits of blocks that take one. flash_prefill_wgmma.cu gives flash_prefill.cu's bits, also
+    with three persistent blocks taking every work item in turn."""
     import kernels_cuda.flash_prefill as fp
     from kernels_cuda._module import wgmma_supported
     if kernel == "wgmma" and not wgmma_supported():
