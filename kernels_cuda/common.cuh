@@ -244,27 +244,20 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
     return *reinterpret_cast<unsigned *>(&v);
 }
 
-// Prefill attention tiles (flash_prefill.cu, flash_prefill_wgmma.cu), a warp's 16 query rows at
-// positions wq_lo..wq_hi: lane 4g + qd holds rows g and g + 8 (positions pos0, pos0 + 8) and, of
-// 8-key tile j, keys n0 + 8j + 2qd + (i & 1). causal_mask: keys past a row's position, past k_hi
-// (the chunk's end) or before its window to -inf; nothing to do where the tile is wholly visible
-// to the warp's rows.
-template <int STILES>
-__device__ __forceinline__ void causal_mask(float (&sc)[STILES][4], int n0, int pos0, int wq_lo, int wq_hi, int k_hi,
-                                            int window, int qd) {
-    const bool full = n0 + 8 * STILES - 1 <= wq_lo && n0 + 8 * STILES <= k_hi && (window <= 0 || n0 > wq_hi - window);
-    if (!full) {
-#pragma unroll
-        for (int j = 0; j < STILES; j++) {
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const int key = n0 + j * 8 + 2 * qd + (i & 1), pos = pos0 + (i >> 1) * 8;
-                const bool ok = key <= pos && key < k_hi && (window <= 0 || key > pos - window);
-                if (!ok) sc[j][i] = NEG_INF;
-            }
-        }
+// Prefill attention tiles (flash_prefill.cu, flash_prefill_wgmma.cu), a warp's 16 query rows:
+// lane 4g + qd holds rows g and g + 8 (positions pos0, pos0 + 8) and, of 8-key tile j, keys
+// n0 + 8j + 2qd + (i & 1). CAUSAL_MASK: keys past a row's position, past k_hi (the chunk's end)
+// or before its window to -inf (the callers skip it where the tile is wholly visible to the
+// warp's rows). A macro, not a function: as a function ptxas gave flash_prefill_wgmma.cu's
+// consumers 4 more registers and a spill at its 168-register cap.
+#define CAUSAL_MASK(sc, STILES, n0, pos0, k_hi, window, qd)                                            \
+    _Pragma("unroll") for (int j_ = 0; j_ < (STILES); j_++) {                                           \
+        _Pragma("unroll") for (int i_ = 0; i_ < 4; i_++) {                                              \
+            const int key_ = (n0) + j_ * 8 + 2 * (qd) + (i_ & 1), pos_ = (pos0) + (i_ >> 1) * 8;        \
+            const bool ok_ = key_ <= pos_ && key_ < (k_hi) && ((window) <= 0 || key_ > pos_ - (window)); \
+            if (!ok_) sc[j_][i_] = NEG_INF;                                                             \
+        }                                                                                               \
     }
-}
 
 // The probabilities as the A fragments of P V (m16n8k16's, and wgmma's register A): the
 // accumulators of 8-key tiles 2kk and 2kk + 1 are 16-key fragment kk.

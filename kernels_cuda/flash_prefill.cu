@@ -152,13 +152,16 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_prefill(
                     mma_16816(sc[j + 1], qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], b[2], b[3]);
                 }
             }
-            causal_mask(sc, n0, pos0, wq_lo, wq_hi, k_hi, window, qd);
+            if (n0 + BLOCK_N - 1 > wq_lo || n0 + BLOCK_N > k_hi || (window > 0 && n0 <= wq_hi - window))
+                {  // not wholly visible to the warp's rows
+                CAUSAL_MASK(sc, BLOCK_N / 8, n0, pos0, k_hi, window, qd);
+            }
             online_softmax(sc, m_run, l_run, o, scale2);
-            unsigned a[BLOCK_N / 16][4];
-            p_fragments(sc, a);
 #pragma unroll
-            for (int kk = 0; kk < BLOCK_N / 16; kk++) {
-                const unsigned a0 = a[kk][0], a1 = a[kk][1], a2 = a[kk][2], a3 = a[kk][3];
+            for (int kk = 0; kk < BLOCK_N / 16; kk++) {  // P's fragments packed as the MMAs take them (p_fragments)
+                const unsigned a0 = pack2(sc[2 * kk][0], sc[2 * kk][1]), a1 = pack2(sc[2 * kk][2], sc[2 * kk][3]);
+                const unsigned a2 = pack2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+                const unsigned a3 = pack2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
 #pragma unroll
                 for (int j = 0; j < OTILES; j += 2) {
                     unsigned b[4];

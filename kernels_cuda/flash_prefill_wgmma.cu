@@ -305,7 +305,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_prefill_
             }
         };
         auto softmax = [&](int t) {  // sc -> P in a; o and the running sums rescaled
-            causal_mask(sc, n_begin + t * BLOCK_N, pos0, wq_lo, wq_hi, k_hi, window, qd);
+            const int n0 = n_begin + t * BLOCK_N;
+            if (n0 + BLOCK_N - 1 > wq_lo || n0 + BLOCK_N > k_hi || (window > 0 && n0 <= wq_hi - window))
+                {  // not wholly visible to the warp's rows
+                CAUSAL_MASK(sc, BLOCK_N / 8, n0, pos0, k_hi, window, qd);
+            }
             online_softmax(sc, m_run, l_run, o, scale2);
             p_fragments(sc, a);
         };
