@@ -247,10 +247,12 @@ def gemv_sweep(shape: dict, batches: list[int], fp8: bool = False) -> list[str]:
 def attention_table(shape: dict, specs: list[str], kv_dtype: str = "auto") -> list[str]:
     """Prefill attention alone, every head of one layer (launches replayed from a graph): each
     spec is one causal sequence of L tokens ("2048") or N of them in one launch ("4x512", as
-    a serving step's prompts); kv_dtype fp8: the cache holds e4m3 bytes (random, no NaN codes)."""
+    a serving step's prompts); kv_dtype fp8: the cache holds e4m3 bytes (random, no NaN codes).
+    Where flash_prefill launches flash_prefill_wgmma.cu (Hopper), flash_prefill.cu is timed
+    beside it and their outputs compared bit for bit."""
     import numpy as np
 
-    from kernels_cuda.flash_prefill import flash_prefill, tiles
+    import kernels_cuda.flash_prefill as fpm
     H, KVH, D = shape["num_heads"], shape["num_kv_heads"], shape["head_dim"]
     fp8 = kv_dtype == "fp8"
     rows = []
@@ -264,17 +266,26 @@ def attention_table(shape: dict, specs: list[str], kv_dtype: str = "auto") -> li
             cache = (codes | (cp.random.randint(0, 2, codes.shape, dtype=cp.int32) << 7)).astype(cp.uint8)
         else:
             cache = cp.random.standard_normal((2, n, L, KVH, D), dtype=cp.float32).astype(cp.float16)
-        out = cp.empty_like(q)
-        tile_seq, tile_q0 = (cp.asarray(a) for a in tiles(q_lens, q_lens))
+        tile_seq, tile_q0 = (cp.asarray(a) for a in fpm.tiles(q_lens, q_lens))
         q_start = cp.asarray(np.arange(n, dtype=np.int32) * L)
         lens = cp.asarray(q_lens)
         kp = cp.asarray([cache[0, i].data.ptr for i in range(n)], dtype=cp.int64)
         vp = cp.asarray([cache[1, i].data.ptr for i in range(n)], dtype=cp.int64)
-        ms = time_graph(lambda: flash_prefill(q, tile_seq, tile_q0, q_start, lens, lens, kp, vp, 0, KVH, D ** -0.5,
-                                              out, kv_fp8=fp8, max_keys=L))
         flops = n * 4 * (L * (L + 1) / 2) * H * D  # Q K^T and P V over the causal half
-        rows.append(f"prefill attention {n}x{L:<5d} H={H} KVH={KVH} D={D} kv={'fp8' if fp8 else '16'}: "
-                    f"{ms * 1e3:8.1f} us {flops / ms / 1e9:6.1f} TFLOP/s")
+        kernels = ["flash_prefill.cu"] + (["flash_prefill_wgmma.cu"] if fpm.use_wgmma(D, L) else [])
+        outs, default = [], fpm.WGMMA
+        for kernel in kernels:
+            fpm.WGMMA = kernel != "flash_prefill.cu"
+            try:
+                out = cp.empty_like(q)
+                ms = time_graph(lambda out=out: fpm.flash_prefill(q, tile_seq, tile_q0, q_start, lens, lens, kp, vp, 0,
+                                                                  KVH, D ** -0.5, out, kv_fp8=fp8, max_keys=L))
+            finally:
+                fpm.WGMMA = default
+            outs.append(out)
+            same = "" if len(outs) == 1 else f", the same bits: {bool((outs[0] == out).all())}"
+            rows.append(f"prefill attention {n}x{L:<5d} H={H} KVH={KVH} D={D} kv={'fp8' if fp8 else '16'} {kernel:22s}: "
+                        f"{ms * 1e3:8.1f} us {flops / ms / 1e9:6.1f} TFLOP/s{same}")
     return rows
 
 
