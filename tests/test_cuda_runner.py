@@ -227,6 +227,33 @@ def test_mixed_step_attention_on_two_streams_gives_the_same_bits(tmp_path, kv_dt
     np.testing.assert_array_equal(got[True][0], got[False][0])
 
 
+@pytest.mark.parametrize("kv_dtype,dtype", [("auto", "float16"), ("fp8", "bfloat16")])
+def test_prompt_attention_on_wgmma_gives_the_same_logits(tmp_path, kv_dtype, dtype, monkeypatch):
+    """On Hopper the prompts' attention runs flash_prefill_wgmma.cu (here for every launch of
+    this head-dim-64 model: WGMMA_MIN_KEYS 0): a prefill of three prompts (one over three query
+    tiles) and a step of decode rows and new prompts give flash_prefill.cu's logits, bit for
+    bit, in float16 and bfloat16, with a 16-bit and an e4m3 cache."""
+    import kernels_cuda.flash_prefill as fp
+    from kernels_cuda._module import wgmma_supported
+    if not wgmma_supported():
+        pytest.skip("flash_prefill_wgmma.cu needs an sm_90 GPU")
+    monkeypatch.setattr(fp, "WGMMA_MIN_KEYS", dict.fromkeys(fp.WGMMA_MIN_KEYS, 0))
+    model = load_model(str(build_tiny_model(tmp_path, "llama_hd64", seed=5)), with_tokenizer=False)
+    gpu = cuda_runner(model, max_model_len=REGION, kv_dtype=kv_dtype, dtype=dtype)
+    r = np.random.default_rng(6)
+    prompts = [r.integers(0, VOCAB, n).tolist() for n in (40, 150, 70)]
+    later = [r.integers(0, VOCAB, n).tolist() for n in (90, 3)]
+    mixed = SchedulerOutput([ScheduledSeq(i, [7 + i], len(p), i * REGION, True) for i, p in enumerate(prompts)]
+                            + [ScheduledSeq(3 + j, p, 0, (3 + j) * REGION, True) for j, p in enumerate(later)])
+    got = {}
+    for wgmma in (True, False):
+        monkeypatch.setattr(fp, "WGMMA", wgmma)
+        got[wgmma] = (gpu.forward(prefill_step(prompts), all_logits=True), gpu.forward(mixed, all_logits=True))
+    for on, off in zip(got[True], got[False]):
+        assert np.isfinite(on).all()
+        np.testing.assert_array_equal(on, off)
+
+
 @pytest.mark.parametrize("kv_dtype,quant", [("auto", None), ("fp8", "fp8")])
 def test_warm_up_leaves_serving_steps_nothing_to_build(tmp_path, kv_dtype, quant, monkeypatch):
     """Building the runner runs its ragged path at each power of two of tokens up to the step
