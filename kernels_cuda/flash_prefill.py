@@ -116,7 +116,9 @@ def flash_prefill(q: cp.ndarray, tile_seq: cp.ndarray, tile_q0: cp.ndarray, seq_
     """out (T, H, D): each sequence's queries attend causally to its cached keys
     [0, seq_kv_len) (the chunk's own keys already written), grouped by KV head.
     kv_fp8: the cache holds float8 e4m3 instead of q's 16-bit type. max_keys: the longest
-    seq_kv_len, as the host knows it (picks the heads a block takes: heads_per_block)."""
+    seq_kv_len, as the host knows it (picks the kernel, use_wgmma, and flash_prefill.cu's heads a
+    block, heads_per_block). On Hopper flash_prefill_wgmma.cu runs where use_wgmma holds; both
+    kernels give the same bits."""
     if q.ndim != 3:
         raise ValueError(f"q: expected (T, heads, head_dim), got {q.shape}")
     T, H, D = q.shape
@@ -151,7 +153,8 @@ def flash_prefill(q: cp.ndarray, tile_seq: cp.ndarray, tile_q0: cp.ndarray, seq_
         kernel = function(mod, "flash_prefill_wgmma", smem)
         items = n_tiles * (H // heads)  # persistent: as many blocks as fit at once take the items in turn
         grid = min(items, WGMMA_MAX_BLOCKS or sm_count() * blocks_per_sm(kernel, threads, smem))
-        if -(-items // grid) <= WGMMA_ITEM_CAP:  # else (~130k tokens a step) flash_prefill.cu below
+        # more items a block than its table holds (a step of > ~84k prompt tokens at 8B's heads): flash_prefill.cu
+        if -(-items // grid) <= WGMMA_ITEM_CAP:
             kernel((grid,), (threads,), (*args, i32(n_tiles)), shared_mem=smem)
             return out
     heads = heads_per_block(H, num_kv_heads, max_keys)

@@ -895,6 +895,14 @@ def test_flash_prefill(kernel, kv8, heads, window, D, monkeypatch):
         few = cp.full((T, H, D), np.nan, np.float16)
         fp.flash_prefill(*args, few, window, kv_fp8=kv8)
         np.testing.assert_array_equal(cp.asnumpy(few), cp.asnumpy(outs[1]))
+        # more items a block than its table holds: flash_prefill.cu takes the launch
+        built, module = [], fp.module
+        monkeypatch.setattr(fp, "module", lambda family, **kw: built.append(family) or module(family, **kw))
+        monkeypatch.setattr(fp, "WGMMA_ITEM_CAP", 2)
+        fallback = cp.full((T, H, D), np.nan, np.float16)
+        fp.flash_prefill(*args, fallback, window, kv_fp8=kv8)
+        assert built[-1] == "flash_prefill"
+        np.testing.assert_array_equal(cp.asnumpy(fallback), cp.asnumpy(outs[1]))
         # flash_prefill.cu's bits: the same products, sums and softmax in the same order
         monkeypatch.setattr(fp, "WGMMA", False)
         mma = cp.full((T, H, D), np.nan, np.float16)
