@@ -32,7 +32,8 @@ WGMMA_ITEM_CAP, WGMMA_ITEM_BYTES = 160, 48  # the work items a block may take (i
 # heads (9 over 3), 4 prompts of 448 tokens, e4m3 cache: 12.7 us a launch against 15.8 with three
 # (two 256-thread blocks an SM against one of 512)
 WGMMA_MAX_HEADS = {64: 1, 128: 2}
-WGMMA_MIN_BLOCKS = {64: 2, 128: 1}  # blocks an SM the registers are capped for (two at 64: 128 each)
+WGMMA_MIN_BLOCKS = {64: 2, 128: 1}
+WGMMA_PINGPONG = True  # two consumer warpgroups take turns to issue their MMAs (FlashAttention-3's schedule)  # blocks an SM the registers are capped for (two at 64: 128 each)
 
 
 # launches whose longest row has fewer keys stay on flash_prefill.cu. H200, us a launch, flash_prefill.cu
@@ -149,7 +150,7 @@ def flash_prefill(q: cp.ndarray, tile_seq: cp.ndarray, tile_q0: cp.ndarray, seq_
         smem, threads = wgmma_smem_bytes(D, kv_fp8, heads, stages), 128 * (heads + 1)
         mod = module("flash_prefill_wgmma", arch="sm_90a", USE_BF16=use_bf16(q), HEAD_DIM=D, KV_FP8=int(kv_fp8),
                      HEADS=heads, RAW=WGMMA_RAW, STAGES=stages, ITEM_CAP=WGMMA_ITEM_CAP,
-                     MIN_BLOCKS=WGMMA_MIN_BLOCKS[D])
+                     MIN_BLOCKS=WGMMA_MIN_BLOCKS[D], PINGPONG=int(WGMMA_PINGPONG and heads == 2))
         kernel = function(mod, "flash_prefill_wgmma", smem)
         items = n_tiles * (H // heads)  # persistent: as many blocks as fit at once take the items in turn
         grid = min(items, WGMMA_MAX_BLOCKS or sm_count() * blocks_per_sm(kernel, threads, smem))

@@ -38,6 +38,10 @@
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 1  // blocks an SM (registers capped to fit)
 #endif
+#ifndef PINGPONG
+#define PINGPONG 0  // 1 (HEADS 2): the consumer warpgroups take turns to issue their MMAs
+#endif
+static_assert(!PINGPONG || HEADS == 2, "turns between two consumer warpgroups");
 #define BLOCK_M 64
 #define BLOCK_N 64
 #define THREADS (128 * (HEADS + 1))
@@ -274,6 +278,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_prefill_
     load_q(0, 0);
     load_q(1, 1);
     const unsigned long long dq0 = smem_desc(sQ + 2 * c * TILE16), dk0 = smem_desc(sK), dv0 = smem_desc(sV);
+    // PINGPONG (two consumer warpgroups): they take turns to issue their MMAs, on named barriers
+    // 4 + c (warpgroup c's turn), so that one's softmax runs while the other's MMAs do
+    auto my_turn = [&]() {
+        if (PINGPONG) asm volatile("bar.sync %0, 256;" ::"r"(4 + c) : "memory");
+    };
+    auto their_turn = [&]() {
+        if (PINGPONG) asm volatile("bar.arrive %0, 256;" ::"r"(5 - c) : "memory");
+    };
+    if (PINGPONG && c == 1) asm volatile("bar.arrive 4, 256;" ::: "memory");  // warpgroup 0 goes first
     int gt = 0;  // the block's tiles so far
     for (int r = 0; r < n_items; r++) {
         const int rows = table[r].rows, q_first = table[r].q_first, n_begin = table[r].n_begin;
@@ -319,7 +332,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_prefill_
             for (int kk = 0; kk < BLOCK_N / 16; kk++) wgmma_rs(o, a[kk], dv + kk * 2);
         };
         auto retire = [&](int gtile) {  // the MMAs done: the stage goes back
-            wgmma_commit();
             wgmma_wait<0>();
             fence_acc2(o);
             fence_acc2(sc);
@@ -329,22 +341,30 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_prefill_
             mbar_arrive(&empty[gtile % STAGES]);
         };
         stage_ready(gt);
+        my_turn();
         wgmma_fence();
         scores(gt);
         wgmma_commit();
+        their_turn();
         wgmma_wait<0>();
         fence_acc2(sc);
         for (int t = 0; t + 1 < n_tiles; t++, gt++) {
             softmax(t);
             stage_ready(gt + 1);
+            my_turn();
             wgmma_fence();
             pv(gt);
             scores(gt + 1);
+            wgmma_commit();
+            their_turn();
             retire(gt);
         }
         softmax(n_tiles - 1);
+        my_turn();
         wgmma_fence();
         pv(gt);
+        wgmma_commit();
+        their_turn();
         retire(gt++);
         load_q(r + 2, r % 2);  // this item's MMAs are done with its Q buffer
 
@@ -352,4 +372,5 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_prefill_
         store_rows(o, l_run, out + ((long long)(qbase + r0) * num_heads + h) * HEAD_DIM + 2 * qd,
                    8LL * num_heads * HEAD_DIM, r0, rows);
     }
+    if (PINGPONG && c == 0) asm volatile("bar.sync 4, 256;" ::: "memory");  // warpgroup 1's last turn handed over
 }
