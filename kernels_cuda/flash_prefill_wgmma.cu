@@ -10,7 +10,8 @@
 // (the scores' accumulators are, element for element, the A fragments of P), then O += P V
 // (m64nDk16, P from registers) with the next tile's S issued behind it, and hands the stage back
 // on an empty mbarrier. So a tile's copies, widening and barriers run while the tiles before it
-// are multiplied, and the tensor cores take P V and the next S back to back.
+// are multiplied, and the tensor cores take P V and the next S back to back. -DPINGPONG (two
+// consumers): they take turns to issue their MMAs, so one's softmax runs beside the other's MMAs.
 //
 // The arithmetic per query row: 16-bit products summed in float32 by the tensor cores, the
 // softmax as flash_prefill.cu's (common.cuh's online_softmax), P rounded to 16 bits for P V.
