@@ -244,6 +244,20 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
     return *reinterpret_cast<unsigned *>(&v);
 }
 
+// The prefill attention kernels' arguments (flash_prefill.cu, flash_prefill_wgmma.cu: one launch
+// contract, flash_prefill.py's)
+#define PREFILL_ATTENTION_ARGS                                                                         \
+    const scalar_t *__restrict__ q,        /* (T, H, HEAD_DIM) */                                      \
+        scalar_t *__restrict__ out,        /* (T, H, HEAD_DIM) */                                      \
+        const int *__restrict__ tile_seq,  /* (tiles) a tile's sequence */                             \
+        const int *__restrict__ tile_q0,   /* (tiles) its first query in the sequence's chunk */       \
+        const int *__restrict__ seq_q_start, /* (S) index of the sequence's first query token */      \
+        const int *__restrict__ seq_q_len,   /* (S) */                                                 \
+        const int *__restrict__ seq_kv_len,  /* (S) keys in the cache including this chunk */          \
+        const long long *__restrict__ k_ptrs, /* (S) */                                                \
+        const long long *__restrict__ v_ptrs, /* (S) */                                                \
+        long long layer_offset, int num_heads, int num_kv_heads, int window, float scale
+
 // Prefill attention tiles (flash_prefill.cu, flash_prefill_wgmma.cu), a warp's 16 query rows:
 // lane 4g + qd holds rows g and g + 8 (positions pos0, pos0 + 8) and, of 8-key tile j, keys
 // n0 + 8j + 2qd + (i & 1). CAUSAL_MASK: keys past a row's position, past k_hi (the chunk's end)

@@ -37,16 +37,7 @@ constexpr int OTILES = HEAD_DIM / 8;   // 8-wide column tiles of a warp's output
 constexpr int VEC = HEAD_DIM / 8;      // 16-byte groups per row
 
 extern "C" __global__ void __launch_bounds__(THREADS) flash_prefill(
-    const scalar_t *__restrict__ q,        // (T, H, HEAD_DIM)
-    scalar_t *__restrict__ out,            // (T, H, HEAD_DIM)
-    const int *__restrict__ tile_seq,      // (tiles)
-    const int *__restrict__ tile_q0,       // (tiles)
-    const int *__restrict__ seq_q_start,   // (S) index of the sequence's first query token
-    const int *__restrict__ seq_q_len,     // (S)
-    const int *__restrict__ seq_kv_len,    // (S) keys in the cache including this chunk
-    const long long *__restrict__ k_ptrs,  // (S)
-    const long long *__restrict__ v_ptrs,  // (S)
-    long long layer_offset, int num_heads, int num_kv_heads, int window, float scale) {
+    PREFILL_ATTENTION_ARGS) {
     PDL_ENTER();
     extern __shared__ __align__(128) unsigned char smem[];
     scalar_t *sQ = reinterpret_cast<scalar_t *>(smem);  // HEADS x BLOCK_M x LDS

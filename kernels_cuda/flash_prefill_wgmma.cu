@@ -128,16 +128,7 @@ __device__ __forceinline__ int item_index(int r, int items) {
 // a pause; each consumer warpgroup brings the next item's Q in (cp.async) while it works on this
 // one.
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_prefill_wgmma(
-    const scalar_t *__restrict__ q,        // (T, H, HEAD_DIM)
-    scalar_t *__restrict__ out,            // (T, H, HEAD_DIM)
-    const int *__restrict__ tile_seq,      // (tiles)
-    const int *__restrict__ tile_q0,       // (tiles)
-    const int *__restrict__ seq_q_start,   // (S) index of the sequence's first query token
-    const int *__restrict__ seq_q_len,     // (S)
-    const int *__restrict__ seq_kv_len,    // (S) keys in the cache including this chunk
-    const long long *__restrict__ k_ptrs,  // (S)
-    const long long *__restrict__ v_ptrs,  // (S)
-    long long layer_offset, int num_heads, int num_kv_heads, int window, float scale, int tiles) {
+    PREFILL_ATTENTION_ARGS, int tiles) {  // tiles: tile_seq's length
     PDL_ENTER();
     extern __shared__ unsigned char smem_raw[];
     unsigned char *smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
