@@ -30,18 +30,19 @@ WGMMA_ITEM_CAP, WGMMA_ITEM_BYTES = 160, 48  # the work items a block may take (i
 # consumer warpgroups (query heads) a block, by head dim. At 128 a thread holds ~164 registers, so
 # three warpgroups (168 at most each) fit an SM's 64 K. At 64 one head a block: H200, SmolLM2's
 # heads (9 over 3), 4 prompts of 448 tokens, e4m3 cache: 12.7 us a launch against 15.8 with three
-# (two 256-thread blocks an SM against one of 512)
+# (two 256-thread blocks an SM against one of 512; an earlier form of the kernel)
 WGMMA_MAX_HEADS = {64: 1, 128: 2}
-WGMMA_MIN_BLOCKS = {64: 2, 128: 1}
-WGMMA_PINGPONG = True  # two consumer warpgroups take turns to issue their MMAs (FlashAttention-3's schedule)  # blocks an SM the registers are capped for (two at 64: 128 each)
+WGMMA_MIN_BLOCKS = {64: 2, 128: 1}  # blocks an SM the registers are capped for (two at 64: 128 each)
+WGMMA_PINGPONG = True  # two consumer warpgroups take turns to issue their MMAs (FlashAttention-3's schedule)
 
 
-# launches whose longest row has fewer keys stay on flash_prefill.cu. H200, us a launch, flash_prefill.cu
-# -> flash_prefill_wgmma.cu (the same bits): Llama-3-8B's heads (32 over 8), e4m3 cache, 16 prompts of
-# 128 tokens 39.7 -> 29.2, 4 of 448 60.5 -> 40.3, one of 2,048 208.9 -> 116.2, one of 8,192 2,608 ->
-# 1,558; 16-bit cache 4 of 448 52.9 -> 41.8, one of 2,048 170.4 -> 126.0. SmolLM2's (9 over 3, head
-# dim 64): 4 of 448 18.7 -> 22.4 and 16 of 128 19.0 -> 23.7 (a small launch: the persistent blocks'
-# start costs more than they save), one of 1,024 31.3 -> 22.8, one of 2,048 51.7 -> 41.0
+# Launches whose longest row has fewer keys stay on flash_prefill.cu. H200, us a launch (at 2eea4b4;
+# docs/performance.md has later figures), flash_prefill.cu -> flash_prefill_wgmma.cu, the same bits:
+# Llama-3-8B's heads (32 over 8), e4m3 cache, 16 prompts of 128 tokens 39.7 -> 29.2, 4 of 448 60.5 ->
+# 40.3, one of 2,048 208.9 -> 116.2, one of 8,192 2,608 -> 1,558; 16-bit cache 4 of 448 52.9 -> 41.8,
+# one of 2,048 170.4 -> 126.0. SmolLM2's (9 over 3, head dim 64): 4 of 448 18.7 -> 22.4 and 16 of 128
+# 19.0 -> 23.7 (a small launch: the persistent blocks' start costs more than they save), one of 1,024
+# 31.3 -> 22.8, one of 2,048 51.7 -> 41.0
 WGMMA_MIN_KEYS = {64: 1024, 128: 0}
 WGMMA_MAX_BLOCKS: int | None = None  # the persistent grid at most (tests: several items a block); None: a full wave
 
