@@ -849,7 +849,7 @@ def test_flash_decode(kv8, splits, chunk, window, heads, min_blocks, whole, shor
 @pytest.mark.parametrize("kernel", ["mma", "wgmma"])
 @pytest.mark.parametrize("kv8", [False, True], ids=["kv16", "kv8"])
 @pytest.mark.parametrize("heads,window,D", [((8, 2), 0, 64), ((8, 2), 100, 64), ((6, 2), 0, 64), ((4, 4), 0, 64),
-                                            ((8, 2), 0, 128), ((8, 2), 100, 128)])
+                                            ((8, 2), 0, 128), ((8, 2), 100, 128), ((6, 2), 0, 128), ((4, 4), 0, 128)])
 def test_flash_prefill(kernel, kv8, heads, window, D, monkeypatch):
     """Ragged causal prefill attention against softmax(q k^T * scale) v in float64: chunks
     after a cached prefix (start > 0), one of a single query, one over three 64-query
