@@ -73,15 +73,17 @@ def _engine_process(pid: int) -> int:
     """The server's engine process (multiprocessing's spawned child, not its resource tracker).
     A child is listed under the thread that started it (the model-loading thread) or, once that
     thread is gone, under whichever of the process's threads the kernel gave it to: read them all."""
+    def read(path: str) -> bytes:  # b"" for a thread or process that ended since it was listed
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except (FileNotFoundError, ProcessLookupError):
+            return b""
+
     children = []
     for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            children += [int(p) for p in f.read().split()]
-    spawned = []
-    for child in children:
-        with open(f"/proc/{child}/cmdline", "rb") as f:
-            if b"spawn_main" in f.read():
-                spawned.append(child)
+        children += [int(p) for p in read(f"/proc/{pid}/task/{task}/children").split()]
+    spawned = [child for child in children if b"spawn_main" in read(f"/proc/{child}/cmdline")]
     (engine,) = spawned
     return engine
 
