@@ -80,7 +80,7 @@ def flash_decode(q: cp.ndarray, k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, kv_lens:
     group = H // num_kv_heads
     mod = module("flash_decode", USE_BF16=use_bf16(q), HEAD_DIM=D, GROUP=group, CHUNK=chunk, KV_FP8=int(kv_fp8),
                  WHOLE=whole, SHORT=short, MIN_BLOCKS=min_blocks(B * num_kv_heads * S, D, group, kv_fp8),
-                 SWAP=int(swapped(group, kv_fp8)))
+                 SWAP=int(swapped(group, kv_fp8)), AHEAD=2 if pdl else 1)
     smem = smem_bytes(D, kv_fp8, group)
     launch(function(mod, "flash_decode_chunk", smem), (S, num_kv_heads, B), (CHUNK_THREADS,),
            (q, k_ptrs, v_ptrs, kv_lens, i64(layer_offset), part_o, part_ml, counters, out, i32(H), i32(num_kv_heads),
