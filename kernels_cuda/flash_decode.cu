@@ -56,14 +56,22 @@
 #define SWAP 0
 #endif
 #define WARPS 4
-// -DAHEAD (1 or 2): K/V tiles loaded before the wait for the previous kernel. 2 where launched
+// -DBUFS (2 or 4): K/V tile buffers in shared memory; a tile is asked for once the buffer it
+// takes is free, BUFS - 1 tiles ahead of the one being used. 4 for a launch of one wave with
+// PDL (flash_decode.py): a short row (up to 256 keys, one split) then has every tile asked for
+// before the wait.
+#ifndef BUFS
+#define BUFS 2
+#endif
+// -DAHEAD (1 or BUFS): K/V tiles loaded before the wait for the previous kernel. BUFS where launched
 // with programmatic dependent launch (flash_decode.py), whose wait overlaps the kernel before
 // it; without it the wait is no wait, and the first tile's arithmetic would then wait for the
 // second to land too (H200, 8B fp8 K/V at 32 rows of 576 keys: 23.5 -> 24.7 us).
 #ifndef AHEAD
 #define AHEAD 1
 #endif
-static_assert(AHEAD == 1 || AHEAD == 2, "AHEAD: 1 or 2 (the buffers)");
+static_assert(BUFS == 2 || BUFS == 4, "BUFS: 2 or 4");
+static_assert(AHEAD == BUFS || (AHEAD == 1 && BUFS == 2), "AHEAD: BUFS, or 1 with 2 buffers");
 #define KEYS 64                 // keys per tile, 16 per warp
 #define LDS (HEAD_DIM + 8)      // shared row stride (elements), as in flash_prefill
 #define MAX_SPLITS 64           // flash_decode.py keeps the grid's splits within this
@@ -173,11 +181,11 @@ __device__ __forceinline__ void swapped_tile(const kv_t *cK, const kv_t *cV, con
 #endif
 
 // The dynamic shared memory of a block (flash_decode.smem_bytes): the 16-row query tile (none
-// in the SWAP form) and the double-buffered K/V tiles.
+// in the SWAP form) and BUFS buffers of K/V tiles.
 #if KV_FP8
-constexpr int SMEM_BYTES = (SWAP ? 0 : 2 * 16 * LDS) + 4 * KEYS * SROW;
+constexpr int SMEM_BYTES = (SWAP ? 0 : 2 * 16 * LDS) + 2 * BUFS * KEYS * SROW;
 #else
-constexpr int SMEM_BYTES = 2 * (16 + 4 * KEYS) * LDS;
+constexpr int SMEM_BYTES = 2 * (16 + 2 * BUFS * KEYS) * LDS;
 #endif
 
 // Split `split` of row b's keys for KV head kvh (the kernel below, one block each; attn_o.cu
@@ -214,12 +222,12 @@ __device__ __forceinline__ void decode_split(
 
     extern __shared__ __align__(128) unsigned char smem[];
     scalar_t *sQ = reinterpret_cast<scalar_t *>(smem);  // 16 x LDS (SWAP: none, q goes to registers)
-#if KV_FP8  // byte tiles, double-buffered; the MMA fragments are converted from them directly
-    unsigned char *st = reinterpret_cast<unsigned char *>(sQ + (SWAP ? 0 : 16 * LDS));  // [2][K, V][KEYS][SROW]
+#if KV_FP8  // byte tiles, BUFS buffers; the MMA fragments are converted from them directly
+    unsigned char *st = reinterpret_cast<unsigned char *>(sQ + (SWAP ? 0 : 16 * LDS));  // [BUFS][K, V][KEYS][SROW]
     float *scratch_a = reinterpret_cast<float *>(st), *scratch_b = reinterpret_cast<float *>(st + 2 * KEYS * SROW);
 #else
-    scalar_t *sK = sQ + 16 * LDS;        // 2 x KEYS x LDS
-    scalar_t *sV = sK + 2 * KEYS * LDS;  // 2 x KEYS x LDS
+    scalar_t *sK = sQ + 16 * LDS;           // BUFS x KEYS x LDS
+    scalar_t *sV = sK + BUFS * KEYS * LDS;  // BUFS x KEYS x LDS
     float *scratch_a = reinterpret_cast<float *>(sK), *scratch_b = reinterpret_cast<float *>(sV);
 #endif
 
@@ -228,12 +236,12 @@ __device__ __forceinline__ void decode_split(
     const kv_t *vb = reinterpret_cast<const kv_t *>(v_ptrs[b]) + layer_offset + kvh * HEAD_DIM;
     const int n_tiles = (end - start + KEYS - 1) / KEYS;
 #if KV_FP8
-    auto k_tile = [&](int t) { return st + (t & 1) * 2 * KEYS * SROW; };
-    auto v_tile = [&](int t) { return st + ((t & 1) * 2 + 1) * KEYS * SROW; };
+    auto k_tile = [&](int t) { return st + (t % BUFS) * 2 * KEYS * SROW; };
+    auto v_tile = [&](int t) { return st + ((t % BUFS) * 2 + 1) * KEYS * SROW; };
     constexpr int STRIDE = SROW;
 #else
-    auto k_tile = [&](int t) { return sK + (t & 1) * KEYS * LDS; };
-    auto v_tile = [&](int t) { return sV + (t & 1) * KEYS * LDS; };
+    auto k_tile = [&](int t) { return sK + (t % BUFS) * KEYS * LDS; };
+    auto v_tile = [&](int t) { return sV + (t % BUFS) * KEYS * LDS; };
     constexpr int STRIDE = LDS;
 #endif
     auto load_kv = [&](int t, int skip) {  // tile t: keys start + t * KEYS .., but key `skip`
@@ -241,7 +249,7 @@ __device__ __forceinline__ void decode_split(
                                               start, skip);
     };
     // The first AHEAD tiles but this step's own key (kv_len - 1) before the wait: earlier steps
-    // wrote them. With AHEAD 2 (both buffers) a row of two tiles (SmolLM2 at up to 128 keys) has
+    // wrote them. With AHEAD = BUFS a row of up to BUFS tiles (SmolLM2 at up to 128 or 256 keys) has
     // nothing but q and its own key to load after the wait.
     const int own = kv_len - 1;
     const int own_tile = own < end ? (own - start) / KEYS : n_tiles;  // the tile holding it, if this split's
@@ -302,7 +310,8 @@ __device__ __forceinline__ void decode_split(
     const float scale2 = scale * 1.4426950408889634f;
 
     for (int t = 0; t < n_tiles; t++) {
-        if (t + 1 < n_tiles && t + 1 >= ahead) load_kv(t + 1, -1);
+        // the buffer of tile t - 1 is free (the barrier that ended its pass): tile t + BUFS - 1 takes it
+        if (t + BUFS - 1 < n_tiles && t + BUFS - 1 >= ahead) load_kv(t + BUFS - 1, -1);
         cp_async_commit();
         cp_async_wait<1>();  // tile t has landed
         __syncthreads();
@@ -315,7 +324,7 @@ __device__ __forceinline__ void decode_split(
         if (n0 < end) {
             float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
 #if KV_FP8
-            const unsigned char *cK = st + ((t & 1) * 2 * KEYS + warp * 16) * SROW;
+            const unsigned char *cK = st + ((t % BUFS) * 2 * KEYS + warp * 16) * SROW;
             const unsigned char *cV = cK + KEYS * SROW;
 #pragma unroll
             for (int kk = 0; kk < KSTEPS; kk++)
@@ -327,8 +336,8 @@ __device__ __forceinline__ void decode_split(
                     mma_16816(sc[j], qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], b0, b1);
                 }
 #else
-            const scalar_t *cK = sK + ((t & 1) * KEYS + warp * 16) * LDS;
-            const scalar_t *cV = sV + ((t & 1) * KEYS + warp * 16) * LDS;
+            const scalar_t *cK = sK + ((t % BUFS) * KEYS + warp * 16) * LDS;
+            const scalar_t *cV = sV + ((t % BUFS) * KEYS + warp * 16) * LDS;
 #pragma unroll
             for (int kk = 0; kk < KSTEPS; kk++) {
                 unsigned kf[4];
@@ -378,7 +387,7 @@ __device__ __forceinline__ void decode_split(
 #endif
         }
 #endif
-        __syncthreads();  // everyone is done with buffer t & 1 before tile t + 2 overwrites it
+        __syncthreads();  // everyone is done with buffer t % BUFS before tile t + BUFS overwrites it
     }
 #pragma unroll
     for (int r = 0; r < 2; r++)  // a row's (SWAP: a head's) sum over the lanes that hold its keys

@@ -803,8 +803,9 @@ def test_flash_decode(kv8, splits, chunk, window, heads, min_blocks, whole, shor
     large fp8 grids, forced on this small one; `whole`: rows of at most that many keys (after
     the window) take one split, which writes no partials; `short`: longer rows of at most that
     many keys take splits of 64 (1,000 keys in 16, 640 in 10). Head dims 64 (SmolLM2) and 128
-    (the 8B shapes). Launched with programmatic dependent launch (sm_90), where it loads two
-    tiles before its wait instead of one, it gives the same bits."""
+    (the 8B shapes). Launched with programmatic dependent launch (sm_90), where it loads its
+    buffers' tiles before its wait instead of one tile, with two buffers and with four, it gives
+    the same bits."""
     import kernels_cuda.flash_decode as fd
     from kernels_cuda._module import pdl_supported
     from kernels_cuda.flash_decode import flash_decode
@@ -825,7 +826,8 @@ def test_flash_decode(kv8, splits, chunk, window, heads, min_blocks, whole, shor
         flash_decode(q_dev, kp, vp, cp.asarray(lens), 0, KVH, part_o, part_ml, counters, out, scale, chunk=chunk,
                      window=window, kv_fp8=kv8, whole=whole, short=short)
     assert not counters.any()
-    if pdl_supported():  # launched with PDL: two tiles before the wait (-DAHEAD=2), the same bits
+    for bufs in (2, 4) if pdl_supported() else ():  # with PDL: all buffers' tiles before the wait, the same bits
+        monkeypatch.setattr(fd, "buffers", lambda *args, n=bufs: n)
         ahead = cp.full_like(out, np.nan)
         flash_decode(q_dev, kp, vp, cp.asarray(lens), 0, KVH, part_o, part_ml, counters, ahead, scale, chunk=chunk,
                      window=window, kv_fp8=kv8, whole=whole, short=short, pdl=True)
