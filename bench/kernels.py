@@ -431,9 +431,9 @@ def timeline_table(shape_name: str, batch: int, context: int, kv_dtype: str = "a
 
 
 # the kernel functions a runner step calls (engine/runner/cuda_runner.py's imports), timed by --mixed
-STEP_KERNELS = ("embedding", "rms_norm", "add_rms_norm", "gemm", "gemm_fp8", "quantize_rows", "gemv", "gemv_rope",
-                "gemv_silu", "rope_kv_write", "flash_prefill", "flash_decode", "silu_mul", "sample_tokens",
-                "token_logprobs")
+STEP_KERNELS = ("embedding", "rms_norm", "add_rms_norm", "gemm", "gemm_fp8", "gemm_fp8_scaled", "quantize_rows",
+                "gemv", "gemv_rope", "gemv_silu", "rope_kv_write", "flash_prefill", "flash_decode", "silu_mul",
+                "sample_tokens", "token_logprobs")
 
 
 def fill_kv_random(runner) -> None:

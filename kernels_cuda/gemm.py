@@ -1,7 +1,7 @@
 """y = x @ W^T through cuBLAS (gemmEx: 16-bit operands, float32 accumulation, float32 or
 16-bit output), and its float8 form through cuBLASLt (--quantization fp8: e4m3 codes in,
-the sums of their products out, in float32 or bfloat16; the scales are applied by the
-kernel that reads them).
+the sums of their products out, in float32 or bfloat16, the scales applied by the kernel
+that reads them; or, gemm_fp8_scaled, the scales applied in cuBLASLt's epilogue).
 
 cuBLAS is called through ctypes on the library CuPy loaded: CuPy's own wrappers refuse
 to run during stream capture, which the decode graphs need (cuBLAS itself supports it).
@@ -97,12 +97,15 @@ def gemm(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray | None = None) -> cp.ndar
 
 
 # ---------------------------------------------------------------------------- float8 (cuBLASLt)
-# cublasLt.h constants. Scales a row / a column ("outer vector" scale modes) have no Hopper
-# algorithm in cuBLASLt 13.1 (H200: every output type, status 7), and one scale for a whole
-# activation would need its maximum before quantizing; so the product here is of the codes
-# alone, and the readers of its output (rope_kv_write, silu_mul, add_rms_norm) multiply by
-# the token's and the feature's scale (common.cuh's dequant).
+# cublasLt.h constants. gemm_fp8's product is of the codes alone, and the readers of its
+# output (rope_kv_write, silu_mul, add_rms_norm) multiply by the token's and the feature's
+# scale (common.cuh's dequant). gemm_fp8_scaled has cuBLASLt scale A's rows and B's columns
+# in its epilogue instead (the "outer vector" scale modes, _LT_*_SCALE_*): cuBLASLt 13.1 on
+# the H200 has one algorithm for them, bfloat16 out (docs/performance.md, thirty-first and
+# thirty-second sessions).
 _LT_TRANSA, _LT_TRANSB, _LT_FAST_ACCUM = 3, 4, 25
+_LT_A_SCALE_POINTER, _LT_B_SCALE_POINTER, _LT_A_SCALE_MODE, _LT_B_SCALE_MODE = 17, 18, 31, 32
+_LT_SCALE_OUTER_VEC_32F = 3
 _LT_PREF_MAX_WORKSPACE_BYTES = 1
 LT_WORKSPACE_BYTES = 32 << 20
 # Hopper's fp8 MMAs add into a reduced-precision accumulator unless cuBLASLt promotes the
@@ -142,8 +145,10 @@ class _Lt:
         self.handle = v()
         self._ok(lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
         self.workspace = cp.empty(LT_WORKSPACE_BYTES, np.uint8)
-        self.plans: dict[tuple[int, int, int, int, bool], tuple] = {}
-        self.algos: dict[tuple[int, int, int, int, bool], _HeuristicResult] = {}
+        # keys (M, N, K, out type, fast accumulation, scaled in the epilogue)
+        self.plans: dict[tuple[int, int, int, int, bool, bool], tuple] = {}
+        self.algos: dict[tuple[int, int, int, int, bool, bool], _HeuristicResult] = {}
+        self.unscalable: set[tuple] = set()  # buckets with no algorithm for epilogue scales
 
     @staticmethod
     def _ok(status: int, what: str) -> None:
@@ -154,15 +159,15 @@ class _Lt:
         self._ok(self.lib.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(value), ctypes.sizeof(value)),
                  f"cublasLtMatmulDescSetAttribute({attr})")
 
-    def plan(self, M: int, N: int, K: int, out_type: int, fast: bool) -> tuple:
+    def plan(self, M: int, N: int, K: int, out_type: int, fast: bool, scaled: bool = False) -> tuple:
         """(descriptor, layouts, algorithm) of an (M, K) x (N, K)^T product into out_type, with
-        fast accumulation or not. The algorithm comes from cuBLASLt's heuristic once per
-        power-of-two bucket of M (a serving step's token count changes from step to step, and a
-        heuristic query costs ~ms)."""
-        key = (M, N, K, out_type, fast)
+        fast accumulation or not, scaled in the epilogue or not (matmul's x_scale). The
+        algorithm comes from cuBLASLt's heuristic once per power-of-two bucket of M (a serving
+        step's token count changes from step to step, and a heuristic query costs ~ms)."""
+        key = (M, N, K, out_type, fast, scaled)
         plan = self.plans.get(key)
         if plan is None:
-            desc, a, b, c = self._descriptors(M, N, K, out_type, fast)
+            desc, a, b, c = self._descriptors(M, N, K, out_type, fast, scaled)
             bucket = self._bucket(key)
             algo = self.algos.get(bucket)
             if algo is None:
@@ -178,21 +183,21 @@ class _Lt:
 
     def choose(self, M: int, N: int, K: int, out_type: int, fast: bool, algo: "_HeuristicResult") -> None:
         """Use `algo` for every product of this shape in M's bucket (see tune_gemm_fp8)."""
-        bucket = self._bucket((M, N, K, out_type, fast))
+        bucket = self._bucket((M, N, K, out_type, fast, False))
         self.algos[bucket] = algo
         for key, plan in self.plans.items():
             if self._bucket(key) == bucket:
                 self.plans[key] = (*plan[:4], algo)
 
-    def exact(self, M: int, N: int, K: int, out_type: int, fast: bool) -> tuple:
+    def exact(self, M: int, N: int, K: int, out_type: int, fast: bool, scaled: bool = False) -> tuple:
         """The plan with the heuristic's algorithm for exactly M rows (when a bucket's
         algorithm does not run on M)."""
-        key = (M, N, K, out_type, fast)
+        key = (M, N, K, out_type, fast, scaled)
         desc, a, b, c, _ = self.plans[key]
         plan = self.plans[key] = (desc, a, b, c, self._heuristic(desc, a, b, c, M, N, K)[0])
         return plan
 
-    def _descriptors(self, M: int, N: int, K: int, out_type: int, fast: bool) -> tuple:
+    def _descriptors(self, M: int, N: int, K: int, out_type: int, fast: bool, scaled: bool = False) -> tuple:
         lib, v = self.lib, ctypes.c_void_p
         desc = v()
         self._ok(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), CUBLAS_COMPUTE_32F, CUDA_R_32F),
@@ -201,6 +206,13 @@ class _Lt:
         self._set(desc, _LT_TRANSA, ctypes.c_int(CUBLAS_OP_T))
         self._set(desc, _LT_TRANSB, ctypes.c_int(CUBLAS_OP_N))
         self._set(desc, _LT_FAST_ACCUM, ctypes.c_int8(int(fast)))
+        if scaled:  # a scale per row of op(A) (the weights' rows) and per column of B (the tokens)
+            for attr in (_LT_A_SCALE_MODE, _LT_B_SCALE_MODE):
+                self._set(desc, attr, ctypes.c_int32(_LT_SCALE_OUTER_VEC_32F))
+            # the heuristic offers no algorithm while the scales' addresses are null: a device
+            # address stands in for them until matmul sets the real ones
+            for attr in (_LT_A_SCALE_POINTER, _LT_B_SCALE_POINTER):
+                self._set(desc, attr, ctypes.c_void_p(self.workspace.data.ptr))
         layouts = []
         for dtype, rows, cols in ((CUDA_R_8F_E4M3, K, N), (CUDA_R_8F_E4M3, K, M), (out_type, N, M)):
             layout = v()
@@ -226,9 +238,16 @@ class _Lt:
                                "--quantization fp8 needs compute capability 8.9+")
         return list(results[:found.value])
 
-    def matmul(self, plan: tuple, algo: "_HeuristicResult", xq: cp.ndarray, w: Fp8Matrix, out: cp.ndarray) -> int:
-        """One product on the current stream; cuBLAS's status."""
+    def matmul(self, plan: tuple, algo: "_HeuristicResult", xq: cp.ndarray, w: Fp8Matrix, out: cp.ndarray,
+               x_scale: cp.ndarray | None = None) -> int:
+        """One product on the current stream; cuBLAS's status. x_scale: the tokens' scales, for
+        a plan scaled in the epilogue (the weights' are w.scale). The descriptor holds the
+        scales' addresses, so they are set here, before each call (a captured graph keeps the
+        values of its capture)."""
         desc, a, b, c, _ = plan
+        if x_scale is not None:
+            self._set(desc, _LT_A_SCALE_POINTER, ctypes.c_void_p(w.scale.data.ptr))
+            self._set(desc, _LT_B_SCALE_POINTER, ctypes.c_void_p(x_scale.data.ptr))
         return self.lib.cublasLtMatmul(self.handle, desc, ctypes.byref(_ONE_LT), w.data.data.ptr, a, xq.data.ptr, b,
                                        ctypes.byref(_ZERO_LT), out.data.ptr, c, out.data.ptr, c,
                                        ctypes.byref(algo.algo), self.workspace.data.ptr, LT_WORKSPACE_BYTES,
@@ -257,6 +276,43 @@ def gemm_fp8(xq: cp.ndarray, w: Fp8Matrix, out: cp.ndarray, fast_accum: bool = F
     (x_scale, w.scale) to whichever kernel reads out (their `scales` argument). With
     fast_accum, a shape whose bucket of rows tune_gemm_fp8_wgmma found faster on gemm_fp8.cu
     runs there (launched with pdl, if asked)."""
+    M, N, K, out_type = _fp8_shape(xq, w, out, (np.float32, np.uint16))
+    if M == 0:
+        return out
+    if fast_accum and _wgmma_plans:
+        config = _wgmma_plans.get((rows_bucket(M), N, K, out_type))
+        if config is not None:  # checked to fit this shape when it was chosen
+            _launch_wgmma(xq, w, out, config, out_type, pdl)
+            return out
+    _lt_product(xq, w, out, M, N, K, out_type, fast_accum)
+    return out
+
+
+def gemm_fp8_scaled(xq: cp.ndarray, x_scale: cp.ndarray, w: Fp8Matrix, out: cp.ndarray,
+                    fast_accum: bool = False) -> bool:
+    """out (M, N) bfloat16 (uint16 bits) = the product of the scaled matrices, (xq * x_scale[:,
+    None]) @ (w.data * w.scale[:, None])^T, the scales applied in cuBLASLt's epilogue: its
+    reader needs no scales. Its rounding differs from gemm_fp8's (the scaled sum is rounded to
+    bfloat16 once, where gemm_fp8's reader scales the rounded raw sum). Returns False, having
+    written nothing, where cuBLASLt has no algorithm for it (the caller then takes gemm_fp8)."""
+    M, N, K, out_type = _fp8_shape(xq, w, out, (np.uint16,))
+    check(x_scale, "x_scale", np.float32, (M,))
+    if M == 0:
+        return True
+    lt = _lt_handle()
+    bucket = lt._bucket((M, N, K, out_type, fast_accum, True))
+    if bucket in lt.unscalable:
+        return False
+    try:
+        _lt_product(xq, w, out, M, N, K, out_type, fast_accum, x_scale)
+    except RuntimeError:  # no algorithm (an older cuBLASLt, or another GPU)
+        lt.unscalable.add(bucket)
+        return False
+    return True
+
+
+def _fp8_shape(xq: cp.ndarray, w: Fp8Matrix, out: cp.ndarray, out_types: tuple) -> tuple[int, int, int, int]:
+    """(M, N, K, cuBLAS out type) of an fp8 product, its arguments checked."""
     if xq.ndim != 2 or xq.shape[1] != w.shape[1]:
         raise ValueError(f"gemm_fp8: x {xq.shape} and w {w.shape} do not chain")
     M, K = xq.shape
@@ -266,23 +322,23 @@ def gemm_fp8(xq: cp.ndarray, w: Fp8Matrix, out: cp.ndarray, fast_accum: bool = F
     check(xq, "xq", np.uint8)
     check(w.data, "w.data", np.uint8)
     check(w.scale, "w.scale", np.float32, (N,))
-    out_type = _out_type(out, (np.float32, np.uint16))
+    out_type = _out_type(out, out_types)
     check(out, "out", out.dtype, (M, N))
-    if M == 0:
-        return out
-    if fast_accum and _wgmma_plans:
-        config = _wgmma_plans.get((rows_bucket(M), N, K, out_type))
-        if config is not None:  # checked to fit this shape when it was chosen
-            _launch_wgmma(xq, w, out, config, out_type, pdl)
-            return out
-    lt = _lt_handle()
+    return M, N, K, out_type
+
+
+def _lt_product(xq: cp.ndarray, w: Fp8Matrix, out: cp.ndarray, M: int, N: int, K: int, out_type: int,
+                fast_accum: bool, x_scale: cp.ndarray | None = None) -> None:
+    """The product through cuBLASLt: the bucket's algorithm, or the heuristic's for exactly M
+    rows where that one does not run on M."""
+    lt, scaled = _lt_handle(), x_scale is not None
     for attempt in range(2):
-        plan = lt.plan(M, N, K, out_type, fast_accum) if attempt == 0 else lt.exact(M, N, K, out_type, fast_accum)
-        status = lt.matmul(plan, plan[4], xq, w, out)
+        plan = (lt.plan(M, N, K, out_type, fast_accum, scaled) if attempt == 0
+                else lt.exact(M, N, K, out_type, fast_accum, scaled))
+        status = lt.matmul(plan, plan[4], xq, w, out, x_scale)
         if status == 0:
             break
     lt._ok(status, f"cublasLtMatmul ({M}x{K}) @ ({N}x{K})^T")
-    return out
 
 
 TUNE_MIN_GAIN = 0.05

@@ -675,6 +675,34 @@ def test_gemm_fp8(M):
     assert rel(scaled, exact) < 0.05  # e4m3 keeps ~3 significant bits a value
 
 
+@pytest.mark.parametrize("M", [17, 300, 1100])
+@pytest.mark.parametrize("fast", [False, True])
+def test_gemm_fp8_scaled_in_the_epilogue(M, fast):
+    """gemm_fp8_scaled: cuBLASLt scales the weights' rows and the tokens in its epilogue, so its
+    bfloat16 out is the product of the scaled matrices, rounded once: against the exact sums of
+    the codes' values times both scales, and against gemm_fp8's raw sums scaled after. Where
+    cuBLASLt has no algorithm for it, it says so and writes nothing."""
+    from kernels_cuda import gemm as G
+    from kernels_cuda.quant import quantize_matrix, quantize_rows
+    K, N = 1040, 208
+    x = to_dev(rng.standard_normal((M, K)).astype(np.float32), "float16")
+    w = quantize_matrix(to_dev(rng.standard_normal((N, K)).astype(np.float32) * 0.05, "float16"))
+    xq, xs = quantize_rows(x)
+    out = cp.full((M, N), 0x7FC0, np.uint16)  # bfloat16 NaNs: what is not written stays NaN
+    if not G.gemm_fp8_scaled(xq, xs, w, out, fast):
+        assert np.isnan(from_dev(out)).all()
+        pytest.skip("this cuBLASLt has no fp8 algorithm with outer-vector scales")
+    got = from_dev(out)
+    exact = (E4M3[cp.asnumpy(xq)].astype(np.float64) @ E4M3[cp.asnumpy(w.data)].T.astype(np.float64)
+             * cp.asnumpy(xs)[:, None] * cp.asnumpy(w.scale)[None, :])
+    big = np.abs(exact).max()
+    # bfloat16's rounding (2^-9 of a value) and the MMAs' sums (fast: up to ~1e-2 of the largest)
+    np.testing.assert_allclose(got, exact, rtol=2 ** -8, atol=(1e-2 if fast else 1e-3) * big)
+    raw = from_dev(G.gemm_fp8(xq, w, cp.zeros((M, N), np.uint16), fast))
+    after = raw * cp.asnumpy(xs)[:, None] * cp.asnumpy(w.scale)[None, :]
+    np.testing.assert_allclose(got, after, rtol=2 ** -7, atol=(1e-2 if fast else 1e-3) * big)
+
+
 @pytest.mark.parametrize("K", [1040, 4096, 14336])
 def test_gemm_fp8_fast_accumulation(K):
     """fast_accum (the runner's default, --fp8-accumulation fast): the tensor cores' sums are

@@ -40,7 +40,8 @@ from kernels_cuda.flash_decode import MAX_SPLITS as FLASH_MAX_SPLITS
 from kernels_cuda.flash_decode import flash_decode
 from kernels_cuda.flash_prefill import BLOCK_M as PREFILL_TILE
 from kernels_cuda.flash_prefill import flash_prefill, tiles
-from kernels_cuda.gemm import gemm, gemm_fp8, tune_gemm_fp8, tune_gemm_fp8_wgmma, wgmma_supported
+from kernels_cuda.gemm import (gemm, gemm_fp8, gemm_fp8_scaled, rows_bucket, tune_gemm_fp8, tune_gemm_fp8_wgmma,
+                               wgmma_supported)
 from kernels_cuda.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from kernels_cuda.gemv import NormIn, gemv, gemv_rope, gemv_silu
 from kernels_cuda.quant import Fp8Matrix, quantize_matrix, quantize_rows
@@ -122,6 +123,14 @@ FUSE_MLP = False
 # Steps of fewer rows (the skinny GEMM's, whose fused norms fold the stream into their
 # products) keep float32. False: float32 everywhere, as before.
 RESIDUAL_16 = True
+
+# --quantization fp8, steps in buckets of at least EPILOGUE_SCALES_MIN_BUCKET rows (gemm.rows_bucket:
+# one form per bucket, so the warm-up plans each): the fp8 products named here have cuBLASLt
+# apply their scales in its epilogue (gemm.gemm_fp8_scaled), so their reader (SiLU * up) need
+# not read 28,672 per-feature scales a row. The others keep raw sums: the o and down products
+# run slower scaled, and QKV's reader gains little (docs/performance.md, thirty-second session).
+EPILOGUE_SCALES = ("gate_up",)
+EPILOGUE_SCALES_MIN_BUCKET = 1024
 
 # --quantization fp8 with fast accumulation: whether the decode buckets' products also time
 # gemm_fp8.cu (wgmma, Hopper) against cuBLASLt at start and run it where it is faster
@@ -692,12 +701,13 @@ class CudaRunner:
     # ------------------------------------------------------------------ the model
 
     def _linear(self, x: cp.ndarray, w, out: cp.ndarray, pdl: bool | None = None,
-                xq: tuple | None = None) -> tuple | None:
+                xq: tuple | None = None, name: str = "") -> tuple | None:
         """out = x @ w^T: the skinny GEMM up to GEMV_MAX_ROWS rows (16-bit or fp8 weights),
         else cuBLAS. fp8 weights there take x quantized per row (xq: (codes, scales) its
         producer wrote, see _quant_in; else quantized here) and leave out unscaled (cuBLASLt's
         fp8 product): returns the (per token, per feature) scales for the kernel that reads
-        out (its `scales` argument), else None."""
+        out (its `scales` argument), else None. The product `name` is scaled in cuBLASLt's
+        epilogue instead where EPILOGUE_SCALES says so."""
         n = x.shape[0]
         if n <= GEMV_MAX_ROWS:
             gemv(x, w, out, pdl=self._launch_pdl if pdl is None else pdl)
@@ -705,6 +715,9 @@ class CudaRunner:
             b = self.buffers
             xq, x_scale = xq if xq is not None else quantize_rows(x, b.act_q[:x.size].reshape(x.shape),
                                                                   b.act_scale[:n], pdl=self._launch_pdl)
+            if (name in EPILOGUE_SCALES and rows_bucket(n) >= EPILOGUE_SCALES_MIN_BUCKET
+                    and gemm_fp8_scaled(xq, x_scale, w, out, self.fp8_fast_accum)):
+                return None
             gemm_fp8(xq, w, out, self.fp8_fast_accum, pdl=self._launch_pdl if pdl is None else pdl)
             return x_scale, w.scale
         else:
@@ -847,7 +860,7 @@ class CudaRunner:
                           pdl=self._launch_pdl, kv_fp8=self.kv_fp8, norm=norm)
             else:
                 qkv = self._product("qkv", n)
-                scales = self._linear(b.norm_out[:n], layer.qkv_proj, qkv, xq=normed_q)
+                scales = self._linear(b.norm_out[:n], layer.qkv_proj, qkv, xq=normed_q, name="qkv")
                 rope_kv_write(qkv, *rope_in, cfg.head_dim, b.q_rot[:n], bias=layer.qkv_bias, pdl=self._launch_pdl,
                               kv_fp8=self.kv_fp8, scales=scales)
             if attn_o:
@@ -867,7 +880,7 @@ class CudaRunner:
                     continue
                 o_out = self._product("o", n)
                 scales = self._linear(attn, layer.o_proj, o_out,
-                                      pdl=self._launch_pdl and attn.nbytes <= O_PROJ_PDL_MAX_INPUT)
+                                      pdl=self._launch_pdl and attn.nbytes <= O_PROJ_PDL_MAX_INPUT, name="o")
             norm = None
             if fold:
                 norm = folded(o_out, layer.post_attention_layernorm, layer.o_bias)
@@ -879,11 +892,11 @@ class CudaRunner:
                 gemv_silu(b.norm_out[:n], layer.gate_up_proj, b.mlp_act[:n], pdl=self._launch_pdl, norm=norm)
             else:
                 gate_up = self._product("gate_up", n)
-                scales = self._linear(b.norm_out[:n], layer.gate_up_proj, gate_up, xq=normed_q)
+                scales = self._linear(b.norm_out[:n], layer.gate_up_proj, gate_up, xq=normed_q, name="gate_up")
                 silu_mul(gate_up, out=b.mlp_act[:n], pdl=self._launch_pdl, scales=scales, quant=act_q,
                          codes_only=True)
             last_down = self._product("down", n)
-            down_scales = self._linear(b.mlp_act[:n], layer.down_proj, last_down, xq=act_q)
+            down_scales = self._linear(b.mlp_act[:n], layer.down_proj, last_down, xq=act_q, name="down")
         return down_scales, res[0], b.down_out[:n] if block else last_down
 
     def _layer_block(self, n: int, i: int, layer, res: list, folded, rope: tuple, kv_lens: cp.ndarray,
