@@ -1054,14 +1054,14 @@ def test_tuned_fp8_product_algorithm(monkeypatch, fast):
     before = {M: cp.asnumpy(G.gemm_fp8(xq[:M], ws[1], cp.zeros((M, N), np.float32), fast)) for M in (40, 64)}
     times, used = G.tune_gemm_fp8(xq, ws, cp.zeros((64, N), np.float32), fast)
     assert np.isfinite(min(times)) and min(times) > 0 and times[used] == min(times)
-    bucket = (64, N, K, G.CUDA_R_32F, fast)
+    bucket = (64, N, K, G.CUDA_R_32F, fast, False)  # (rows, N, K, out type, fast, scaled in the epilogue)
     plan = G._lt.plans[bucket]
     candidates = G._lt._heuristic(*plan[:4], 64, N, K, count=8)
     assert bytes(G._lt.algos[bucket]) == bytes(candidates[int(np.argmin(times))])
     for algo in candidates:
         G._lt.choose(64, N, K, G.CUDA_R_32F, fast, algo)
         for M in (40, 64):  # 40: a plan made before the tuning
-            assert bytes(G._lt.plans[(M, N, K, G.CUDA_R_32F, fast)][4]) == bytes(algo)
+            assert bytes(G._lt.plans[(M, N, K, G.CUDA_R_32F, fast, False)][4]) == bytes(algo)
             after = cp.asnumpy(G.gemm_fp8(xq[:M], ws[1], cp.zeros((M, N), np.float32), fast))
             tol = 1e-2 if fast else 1e-3  # unpromoted sums: each algorithm's order drifts its own way
             np.testing.assert_allclose(after, before[M], rtol=tol, atol=tol * np.abs(before[M]).max())
