@@ -162,7 +162,7 @@ def test_fp8_products_scaled_in_the_epilogue_stay_close(tmp_path, products, monk
     monkeypatch.setattr(cr, "EPILOGUE_SCALES", products)
     monkeypatch.setattr(cr, "EPILOGUE_SCALES_MIN_BUCKET", 32)
     got = cuda_runner(model, max_model_len=REGION, quantization="fp8").forward(step, all_logits=True)
-    if not any(key[-1] for key in gemm._lt.plans):
+    if any(bucket[0] == gemm.rows_bucket(152) for bucket in gemm._lt.unscalable):  # the prefill's bucket
         pytest.skip("this cuBLASLt has no fp8 algorithm with outer-vector scales")
     ref = ref_runner.forward(step, all_logits=True)
     to_raw, to_ref, raw_to_ref = cosines(got, raw), cosines(got, ref), cosines(raw, ref)
