@@ -1,6 +1,7 @@
 // RMSNorm, and the fused residual add + RMSNorm of the decoder layers.
-// One block per row; the residual stream is float32 (or 16-bit: -DRES16), the normed output
-// 16-bit (it feeds a matrix product), the norm weights float32.
+// One block per row (add_rms_norm_rows, at the end: a group of threads per row, for steps of
+// many rows with a 16-bit residual stream); the residual stream is float32 (or 16-bit: -DRES16),
+// the normed output 16-bit (it feeds a matrix product), the norm weights float32.
 //
 // A decode step runs two of these per layer on one row each, so they are written for
 // latency: every thread loads its first NORM_VEC float4 of the row (and of the delta) at
@@ -175,3 +176,175 @@ extern "C" __global__ void add_rms_norm(res_t *__restrict__ residual, const prod
              rs != nullptr ? rs[row] : 1.0f, rs != nullptr ? cs : nullptr, q + row * hidden, q_scale + row, d_stride,
              parts);
 }
+
+// ---------------------------------------------------------------- many rows: a row a group
+// add_rms_norm for steps of many rows (rmsnorm.py: ROWS_MIN_ROWS): a group of ROW_THREADS
+// threads takes a row of HIDDEN values, 256 / ROW_THREADS rows a block, and its sums go across
+// the group's warps through shared memory and a barrier of the group's own (no block-wide
+// barrier). A thread issues all its loads of the residual and the delta at once and keeps the
+// new residual packed as stored (16 bits or float32), with the weights and the product's
+// per-feature scales read when used (the same for every row: L1 / L2). So a row holds fewer
+// registers than norm_row's, and an SM has more rows in flight: norm_row's blocks of a row
+// each wait through their loads, two block-wide reductions and their stores with 3-4 rows an
+// SM. Per value the arithmetic is norm_row's; the sum of squares adds in another order.
+// -DROW_THREADS (32, 64 or 128; 0: not built), -DHIDDEN (a multiple of 8 x ROW_THREADS).
+#ifndef ROW_THREADS
+#define ROW_THREADS 0
+#endif
+// -DROW_SCALED=1: the delta is a float8 product's raw sums, scaled by rs and cs (else they are
+// not read); -DROW_BIAS=1: a bias is added (else not read). Built in, so that a row's registers
+// hold only what its launch reads.
+#ifndef ROW_SCALED
+#define ROW_SCALED 0
+#endif
+#ifndef ROW_BIAS
+#define ROW_BIAS 0
+#endif
+#if ROW_THREADS
+#ifndef HIDDEN
+#error "add_rms_norm_rows needs -DHIDDEN"
+#endif
+constexpr int RT = ROW_THREADS, RPB = 256 / ROW_THREADS, RW = ROW_THREADS / 32;
+constexpr int NC = HIDDEN / (8 * ROW_THREADS);  // 8-value chunks a thread: chunk c at (c x RT + t) x 8
+static_assert(RT == 32 || RT == 64 || RT == 128, "ROW_THREADS: 32, 64 or 128");
+static_assert(HIDDEN % (8 * RT) == 0, "HIDDEN: a multiple of 8 x ROW_THREADS");
+
+// the group's sum (op 0) or max (op 1) of v, every thread of the group gets it; red: RW floats of
+// the group's own, written once per kernel (each reduction its own)
+template <int OP>
+__device__ __forceinline__ float group_reduce(float v, float *red, int group) {
+    v = OP == 0 ? warp_sum(v) : warp_max(v);
+    if constexpr (RW == 1) {
+        return v;
+    } else {
+        if ((threadIdx.x & 31) == 0) red[(threadIdx.x % RT) >> 5] = v;
+        asm volatile("bar.sync %0, %1;" ::"r"(group + 1), "n"(RT) : "memory");
+        float s = red[0];
+#pragma unroll
+        for (int i = 1; i < RW; i++) s = OP == 0 ? s + red[i] : fmaxf(s, red[i]);
+        return s;
+    }
+}
+
+// 8 consecutive 16-bit values <-> floats
+__device__ __forceinline__ void unpack8(const uint4 &u, float f[8]) {
+    const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const float2 p = to_float2(*reinterpret_cast<const scalar2_t *>(&w[j]));
+        f[2 * j] = p.x, f[2 * j + 1] = p.y;
+    }
+}
+__device__ __forceinline__ uint4 pack8(const float f[8]) {
+    unsigned w[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const scalar2_t p = from_float2(f[2 * j], f[2 * j + 1]);
+        w[j] = *reinterpret_cast<const unsigned *>(&p);
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+extern "C" __global__ void __launch_bounds__(256) add_rms_norm_rows(
+    res_t *__restrict__ residual, const prod_t *__restrict__ delta, const float *__restrict__ bias,
+    const float *__restrict__ w, scalar_t *__restrict__ out, int rows, float eps, const float *__restrict__ rs,
+    const float *__restrict__ cs, unsigned char *__restrict__ q, float *__restrict__ q_scale) {
+    __shared__ float red[2][RPB][RW];
+    PDL_ENTER();
+    const int group = threadIdx.x / RT, t = threadIdx.x % RT;
+    const long long row = (long long)blockIdx.x * RPB + group;
+    if (row >= rows) return;  // the whole group: its barrier is its own
+    res_t *r = residual + row * HIDDEN;
+    const prod_t *d = delta + row * HIDDEN;
+    constexpr int RV = RES16 ? 1 : 2, DV = PROD == 0 ? 2 : 1;  // 16-byte words of 8 values
+    uint4 rv[NC][RV], dv[NC][DV];
+#pragma unroll
+    for (int c = 0; c < NC; c++) {
+        const int i = c * RT + t;
+#pragma unroll
+        for (int h = 0; h < RV; h++) rv[c][h] = reinterpret_cast<const uint4 *>(r)[i * RV + h];
+#pragma unroll
+        for (int h = 0; h < DV; h++) dv[c][h] = reinterpret_cast<const uint4 *>(d)[i * DV + h];
+    }
+    const float rsv = ROW_SCALED ? rs[row] : 1.0f;
+    float ss = 0.0f;
+#pragma unroll
+    for (int c = 0; c < NC; c++) {
+        const int i = c * RT + t;
+        float x[8], e[8];
+        if constexpr (RES16) {
+            unpack8(rv[c][0], x);
+        } else {
+            memcpy(x, &rv[c][0], 32);
+        }
+        if constexpr (PROD == 0) {
+            memcpy(e, &dv[c][0], 32);
+        } else {
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const unsigned u = (&dv[c][0].x)[j];
+                e[2 * j] = prod_to_float(reinterpret_cast<const prod_t *>(&u)[0]);
+                e[2 * j + 1] = prod_to_float(reinterpret_cast<const prod_t *>(&u)[1]);
+            }
+        }
+        if (ROW_SCALED) {
+            const float4 f0 = reinterpret_cast<const float4 *>(cs)[2 * i], f1 = reinterpret_cast<const float4 *>(cs)[2 * i + 1];
+            const float f[8] = {f0.x, f0.y, f0.z, f0.w, f1.x, f1.y, f1.z, f1.w};
+#pragma unroll
+            for (int j = 0; j < 8; j++) e[j] = e[j] * rsv * f[j];
+        }
+        float b[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        if (ROW_BIAS) {
+            const float4 b0 = reinterpret_cast<const float4 *>(bias)[2 * i], b1 = reinterpret_cast<const float4 *>(bias)[2 * i + 1];
+            b[0] = b0.x, b[1] = b0.y, b[2] = b0.z, b[3] = b0.w, b[4] = b1.x, b[5] = b1.y, b[6] = b1.z, b[7] = b1.w;
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++) x[j] = x[j] + e[j] + b[j];
+        if constexpr (RES16) {  // the sum rounded to 16 bits, stored, and normed as stored
+            rv[c][0] = pack8(x);
+            reinterpret_cast<uint4 *>(r)[i] = rv[c][0];
+            unpack8(rv[c][0], x);
+        } else {
+            memcpy(&rv[c][0], x, 32);
+            reinterpret_cast<uint4 *>(r)[2 * i] = rv[c][0];
+            reinterpret_cast<uint4 *>(r)[2 * i + 1] = rv[c][1];
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j += 4) ss += x[j] * x[j] + x[j + 1] * x[j + 1] + x[j + 2] * x[j + 2] + x[j + 3] * x[j + 3];
+    }
+    const float inv = rsqrtf(group_reduce<0>(ss, red[0][group], group) / HIDDEN + eps);
+    float m = 0.0f;
+#pragma unroll
+    for (int c = 0; c < NC; c++) {
+        const int i = c * RT + t;
+        float x[8];
+        if constexpr (RES16) {
+            unpack8(rv[c][0], x);
+        } else {
+            memcpy(x, &rv[c][0], 32);
+        }
+        const float4 g0 = reinterpret_cast<const float4 *>(w)[2 * i], g1 = reinterpret_cast<const float4 *>(w)[2 * i + 1];
+        const float g[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
+#pragma unroll
+        for (int j = 0; j < 8; j++) x[j] = x[j] * inv * g[j];
+        rv[c][0] = pack8(x);  // the output, rounded to 16 bits (the residual is stored already)
+        if (out != nullptr) reinterpret_cast<uint4 *>(out + row * HIDDEN)[i] = rv[c][0];
+        if (QUANT_OUT) {
+            unpack8(rv[c][0], x);
+#pragma unroll
+            for (int j = 0; j < 8; j++) m = fmaxf(m, fabsf(x[j]));
+        }
+    }
+#if QUANT_OUT
+    m = group_reduce<1>(m, red[1][group], group);
+    if (t == 0) q_scale[row] = m > 0.0f ? m / FP8_MAX : 1.0f;
+    const float qinv = m > 0.0f ? FP8_MAX / m : 1.0f;
+#pragma unroll
+    for (int c = 0; c < NC; c++) {
+        float x[8];
+        unpack8(rv[c][0], x);
+        reinterpret_cast<uint2 *>(q + row * HIDDEN)[c * RT + t] = fp8x8(x, qinv);
+    }
+#endif
+}
+#endif

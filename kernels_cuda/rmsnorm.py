@@ -23,6 +23,18 @@ WIDE_THREADS = 256
 # -> 108.9; 16-bit out 31.3 -> 30.5 and 115.8 -> 114.1 at 2,048 / 8,192. Fewer rows lose by it
 # (512: 7.5 -> 8.1 us, 16-bit 5.0 -> 5.9; 128: 3.45 -> 3.69).
 AHEAD_MIN_ROWS = 1024
+# A 16-bit residual stream in steps of ROWS_MIN_ROWS rows or more takes add_rms_norm_rows
+# (rmsnorm.cu): ROW_THREADS threads a row, two rows a block, where the row divides into 8 x
+# ROW_THREADS values, a thread holds at most ROW_MAX_CHUNKS of 8, and the delta is in one part.
+# H200, 4,096 a row, a bfloat16 stream, a bfloat16 delta, e4m3 codes out, captured graphs, us
+# (raw sums with their scales / scaled already): 2,040 rows 24.80 / 23.21 -> 16.74 / 16.35, 1,024
+# rows 13.65 / 12.64 -> 9.91 / 9.79, 512 rows 6.69 / 6.56 -> 4.42 / 4.20 (a floor of 13.9 us at
+# 2,040 rows: 7 bytes a value at 4.2 TB/s). 64 threads a row, or launch bounds for 3-4 blocks an
+# SM, were slower. A float32 stream (11 bytes a value) gained with scaled raw sums and lost
+# without (2,040 rows: 28.85 -> 25.55 and 26.18 -> 28.59), so it keeps norm_row.
+ROWS_MIN_ROWS = 512
+ROW_THREADS = 128
+ROW_MAX_CHUNKS = 8
 
 
 def _shape(rows: int, hidden: int) -> tuple[int, int, int]:
@@ -98,13 +110,27 @@ def add_rms_norm(residual: cp.ndarray, delta: cp.ndarray, weight: cp.ndarray, ep
     out = _out(out, rows, hidden, out_dtype)
     res16 = _res16(residual, out, "residual")
     quant_out, q_args = quant_out_args(quant, rows, hidden)
-    if rows:
+    if rows_kernel(rows, hidden, res16, parts):
+        per_block = 256 // ROW_THREADS
+        mod = module("rmsnorm", USE_BF16=use_bf16(out), QUANT_OUT=quant_out, PROD=prod, RES16=res16,
+                     ROW_THREADS=ROW_THREADS, HIDDEN=hidden, ROW_SCALED=int(scales is not None),
+                     ROW_BIAS=int(bias is not None))
+        launch(mod.get_function("add_rms_norm_rows"), (-(-rows // per_block),), (256,),
+               (residual, delta, ptr_or_null(bias), weight, quant_out_target(out, quant, codes_only), i32(rows),
+                f32(eps), *scale_args(scales, rows, hidden), *q_args), pdl=pdl)
+    elif rows:
         threads, vec, ahead = _shape(rows, hidden)
         launch(module("rmsnorm", USE_BF16=use_bf16(out), QUANT_OUT=quant_out, NORM_VEC=vec, NORM_AHEAD=ahead,
                       PROD=prod, RES16=res16).get_function("add_rms_norm"), (rows,), (threads,),
                (residual, delta, ptr_or_null(bias), weight, quant_out_target(out, quant, codes_only), i32(hidden),
                 f32(eps), *scale_args(scales, rows, hidden), *q_args, i64(stride), i32(parts)), pdl=pdl)
     return out
+
+
+def rows_kernel(rows: int, hidden: int, res16: int, parts: int) -> bool:
+    """Whether add_rms_norm takes add_rms_norm_rows (ROWS_MIN_ROWS) for this launch."""
+    return (bool(res16) and rows >= ROWS_MIN_ROWS and parts == 1 and hidden % (8 * ROW_THREADS) == 0
+            and hidden // (8 * ROW_THREADS) <= ROW_MAX_CHUNKS)
 
 
 def delta_parts(delta: cp.ndarray, rows: int, hidden: int, name: str, dtype=np.float32) -> tuple[int, int]:

@@ -217,6 +217,36 @@ def test_bfloat16_decode_graph_past_the_skinny_gemm(tmp_path):
     assert cos.min() >= 0.999
 
 
+@pytest.mark.parametrize("quant", [None, "fp8"])
+def test_bfloat16_prefill_norms_with_a_thread_group_a_row(tmp_path, quant, monkeypatch):
+    """rmsnorm.add_rms_norm_rows (a group of threads a row; here from one row on, 32 threads a row
+    of 256) in a bfloat16 checkpoint's ragged prefill, whose residual stream is bfloat16: as close
+    to the NumPy runner as norm_row's blocks (the sums of squares add in another order), and
+    close to them."""
+    from kernels_cuda import rmsnorm
+    path = build_tiny_model(tmp_path, "llama", seed=5, dtype="bfloat16", config=dict(
+        hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2))
+    model = load_model(str(path), with_tokenizer=False)
+    ref_runner = NumpyRunner(model.config, model.weights, num_kv_slots=REGION * 3, max_model_len=REGION,
+                             progress=False)
+    r = np.random.default_rng(3)
+    step = prefill_step([r.integers(0, VOCAB, n).tolist() for n in (5, 17, 130)])
+    ref = ref_runner.forward(step, all_logits=True)
+    monkeypatch.setattr(rmsnorm, "ROW_THREADS", 32)
+    got = {}
+    for rows_min in (1 << 30, 1):  # norm_row; add_rms_norm_rows
+        monkeypatch.setattr(rmsnorm, "ROWS_MIN_ROWS", rows_min)
+        gpu = cuda_runner(model, max_model_len=REGION, quantization=quant)
+        assert gpu.residual_16 and rmsnorm.rows_kernel(152, 256, 1, 1) == (rows_min == 1)
+        got[rows_min] = gpu.forward(step, all_logits=True)
+    old, new = cosines(got[1 << 30], ref), cosines(got[1], ref)
+    between = cosines(got[1], got[1 << 30])
+    print(f"bfloat16 prefill ({quant or '16-bit'}): min cosine to NumPy {new.min():.5f} (norm_row {old.min():.5f}), "
+          f"to norm_row {between.min():.5f}")
+    assert new.min() >= min(old.min(), 0.999 if quant is None else 0.99) - 1e-3
+    assert between.min() >= (0.999 if quant is None else 0.99)
+
+
 def test_fp8_products_on_wgmma_in_the_decode_graph(tmp_path, monkeypatch):
     """--quantization fp8 with gemm_fp8.cu made to win every tuning (gemm.TUNE_MIN_GAIN -1): the
     decode buckets' products of a model whose shapes fit it (K a multiple of 128, features of 64)

@@ -271,6 +271,62 @@ def test_add_rms_norm_loads_ahead_same_bits(dtype, hidden, fp8, delta16, monkeyp
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+# threads a row, values a row: four chunks of 8 a thread, four warps (the runner's 8B rows); one, four
+# warps; two and two; one and one (no barrier)
+@pytest.mark.parametrize("row_threads,hidden", [(128, 4096), (128, 1024), (64, 1024), (32, 256)])
+@pytest.mark.parametrize("delta", ["f32", "f16", "bf16", "fp8"])  # fp8: a float8 product's raw sums and scales
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+def test_add_rms_norm_rows(dtype, row_threads, hidden, delta, with_bias, monkeypatch):
+    """A 16-bit residual stream in steps of rmsnorm.ROWS_MIN_ROWS rows or more takes
+    add_rms_norm_rows (a group of threads a row, two rows a block): the residual holds the float32
+    sums rounded to 16 bits (the same value, or the next one where a multiply and an add fuse
+    otherwise), the output is the norm of those rounded values within a unit in its last place,
+    and the codes and scales are quantize_rows' of that output."""
+    from kernels_cuda import rmsnorm
+    from kernels_cuda.quant import quantize_rows
+    monkeypatch.setattr(rmsnorm, "ROW_THREADS", row_threads)
+    rows = rmsnorm.ROWS_MIN_ROWS + 3  # the last block holds one row
+    assert rmsnorm.rows_kernel(rows, hidden, 1, 1) and not rmsnorm.rows_kernel(rows, hidden, 0, 1)
+    x = rng.standard_normal((rows, hidden)).astype(np.float32) * 4
+    d32 = rng.standard_normal((rows, hidden)).astype(np.float32) * (50 if delta == "fp8" else 1)
+    d = {"f32": lambda: cp.asarray(d32), "f16": lambda: cp.asarray(d32.astype(np.float16))}.get(
+        delta, lambda: to_dev(d32, "bfloat16"))()
+    dv = from_dev(d) if delta != "f32" else d32  # the delta's values
+    rs, cs = rng.random(rows).astype(np.float32), rng.random(hidden).astype(np.float32)
+    w = rng.uniform(0.5, 1.5, hidden).astype(np.float32)
+    bias = rng.standard_normal(hidden).astype(np.float32) if with_bias else np.zeros(hidden, np.float32)
+    odt = np.uint16 if dtype == "bfloat16" else np.float16
+    res = to_dev(x, dtype)
+    xr = from_dev(res)
+    out = cp.zeros((rows, hidden), odt)
+    q, qs = cp.zeros((rows, hidden), np.uint8), cp.zeros(rows, np.float32)
+    rmsnorm.add_rms_norm(res, d, cp.asarray(w), 1e-5, out=out, bias=cp.asarray(bias) if with_bias else None,
+                         scales=(cp.asarray(rs), cp.asarray(cs)) if delta == "fp8" else None, quant=(q, qs))
+    e = dv * rs[:, None] * cs[None, :] if delta == "fp8" else dv
+    want = rounded(xr + e + bias, dtype)
+    got = from_dev(res)
+    unit = 2.0 ** -7 if dtype == "bfloat16" else 2.0 ** -10
+    np.testing.assert_allclose(got, want, rtol=unit, atol=1e-6)
+    assert (got == want).mean() > 0.99
+    g64 = got.astype(np.float64)
+    ref = g64 / np.sqrt(np.mean(g64 * g64, axis=-1, keepdims=True) + 1e-5) * w
+    np.testing.assert_allclose(from_dev(out), ref, rtol=unit, atol=1e-6)
+    ref_q, ref_s = quantize_rows(out)
+    np.testing.assert_array_equal(cp.asnumpy(q), cp.asnumpy(ref_q))
+    np.testing.assert_array_equal(cp.asnumpy(qs), cp.asnumpy(ref_s))
+    # codes only: the same codes, out untouched
+    res2 = to_dev(x, dtype)
+    untouched = cp.full((rows, hidden), 0x1234, np.uint16).view(odt)
+    q2, qs2 = cp.zeros_like(q), cp.zeros_like(qs)
+    rmsnorm.add_rms_norm(res2, d, cp.asarray(w), 1e-5, out=untouched, bias=cp.asarray(bias) if with_bias else None,
+                         scales=(cp.asarray(rs), cp.asarray(cs)) if delta == "fp8" else None, quant=(q2, qs2),
+                         codes_only=True)
+    assert (untouched.view(np.uint16) == 0x1234).all()
+    np.testing.assert_array_equal(cp.asnumpy(q2), cp.asnumpy(q))
+    np.testing.assert_array_equal(cp.asnumpy(res2), cp.asnumpy(res))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("inter", [333, 528, 20000])  # plain loop; 8 values a thread; longer than registers hold
 @pytest.mark.parametrize("prod16", [False, True], ids=["prod32", "prod16"])
 def test_silu_mul(dtype, inter, prod16):
