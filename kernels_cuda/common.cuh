@@ -173,6 +173,26 @@ __device__ __forceinline__ float block_max(float v, float *scratch) {
     return warp_max(v);
 }
 
+// The sum (OP 0) or max (OP 1) of v over a group of G threads (32, or a multiple of 32) that take
+// a row together, several groups a block (rmsnorm.cu's add_rms_norm_rows, quant.cu's
+// quantize_rows_group); every thread of the group gets it. red: G / 32 floats of the group's own,
+// a region per reduction of a kernel; the group's warps meet at a named barrier of its own (id
+// group + 1), so groups never wait for each other, and a group whose row is past the last may exit.
+template <int G, int OP>
+__device__ __forceinline__ float group_reduce(float v, float *red, int group) {
+    v = OP == 0 ? warp_sum(v) : warp_max(v);
+    if constexpr (G == 32) {
+        return v;
+    } else {
+        if ((threadIdx.x & 31) == 0) red[(threadIdx.x % G) >> 5] = v;
+        asm volatile("bar.sync %0, %1;" ::"r"(group + 1), "n"(G) : "memory");
+        float s = red[0];
+#pragma unroll
+        for (int i = 1; i < G / 32; i++) s = OP == 0 ? s + red[i] : fmaxf(s, red[i]);
+        return s;
+    }
+}
+
 // ------------------------------------------------------------------ tensor cores (sm_80+)
 // Inline PTX rather than <mma.h>: NVRTC needs no toolkit headers for these.
 

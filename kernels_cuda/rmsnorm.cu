@@ -209,23 +209,6 @@ constexpr int NC = HIDDEN / (8 * ROW_THREADS);  // 8-value chunks a thread: chun
 static_assert(RT == 32 || RT == 64 || RT == 128, "ROW_THREADS: 32, 64 or 128");
 static_assert(HIDDEN % (8 * RT) == 0, "HIDDEN: a multiple of 8 x ROW_THREADS");
 
-// the group's sum (op 0) or max (op 1) of v, every thread of the group gets it; red: RW floats of
-// the group's own, written once per kernel (each reduction its own)
-template <int OP>
-__device__ __forceinline__ float group_reduce(float v, float *red, int group) {
-    v = OP == 0 ? warp_sum(v) : warp_max(v);
-    if constexpr (RW == 1) {
-        return v;
-    } else {
-        if ((threadIdx.x & 31) == 0) red[(threadIdx.x % RT) >> 5] = v;
-        asm volatile("bar.sync %0, %1;" ::"r"(group + 1), "n"(RT) : "memory");
-        float s = red[0];
-#pragma unroll
-        for (int i = 1; i < RW; i++) s = OP == 0 ? s + red[i] : fmaxf(s, red[i]);
-        return s;
-    }
-}
-
 // 8 consecutive 16-bit values <-> floats
 __device__ __forceinline__ void unpack8(const uint4 &u, float f[8]) {
     const unsigned w[4] = {u.x, u.y, u.z, u.w};
@@ -312,7 +295,7 @@ extern "C" __global__ void __launch_bounds__(256) add_rms_norm_rows(
 #pragma unroll
         for (int j = 0; j < 8; j += 4) ss += x[j] * x[j] + x[j + 1] * x[j + 1] + x[j + 2] * x[j + 2] + x[j + 3] * x[j + 3];
     }
-    const float inv = rsqrtf(group_reduce<0>(ss, red[0][group], group) / HIDDEN + eps);
+    const float inv = rsqrtf(group_reduce<RT, 0>(ss, red[0][group], group) / HIDDEN + eps);
     float m = 0.0f;
 #pragma unroll
     for (int c = 0; c < NC; c++) {
@@ -336,7 +319,7 @@ extern "C" __global__ void __launch_bounds__(256) add_rms_norm_rows(
         }
     }
 #if QUANT_OUT
-    m = group_reduce<1>(m, red[1][group], group);
+    m = group_reduce<RT, 1>(m, red[1][group], group);
     if (t == 0) q_scale[row] = m > 0.0f ? m / FP8_MAX : 1.0f;
     const float qinv = m > 0.0f ? FP8_MAX / m : 1.0f;
 #pragma unroll

@@ -637,6 +637,32 @@ def test_quantize_rows(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+# threads a row, values a row: eight chunks of 8 a thread over two warps (the runner's 8B rows); four
+# over four warps; one; one warp (no barrier)
+@pytest.mark.parametrize("group_threads,K", [(64, 4096), (128, 4096), (64, 512), (32, 256)])
+def test_quantize_rows_in_thread_groups(dtype, group_threads, K, monkeypatch):
+    """Steps of quant.GROUP_MIN_ROWS rows or more take quantize_rows_group (a group of threads a
+    row, several rows a block): quantize_rows' codes and scales, bit for bit (a max is exact in
+    any order)."""
+    from kernels_cuda import quant
+    monkeypatch.setattr(quant, "GROUP_THREADS", group_threads)
+    rows = quant.GROUP_MIN_ROWS + 1  # the last block holds one row
+    assert quant.group_kernel(rows, K)
+    x = rng.standard_normal((rows, K)).astype(np.float32) * np.geomspace(1e-3, 1e3, rows)[:, None]
+    x[7] = 0  # scale 1
+    x[9, 5] = -1e4  # the largest magnitude negative
+    xd = to_dev(x, dtype)
+    got = quant.quantize_rows(xd)
+    monkeypatch.setattr(quant, "GROUP_MIN_ROWS", rows + 1)
+    assert not quant.group_kernel(rows, K)
+    want = quant.quantize_rows(xd)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(cp.asnumpy(a), cp.asnumpy(b))
+    assert float(got[1][7]) == 1.0 and E4M3[int(got[0][9, 5])] == -448
+    assert_e4m3_of(cp.asnumpy(got[0][rows - 1]), rounded(x[rows - 1], dtype) / float(got[1][rows - 1]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kernel", ["rms_norm", "add_rms_norm", "silu_mul"])
 @pytest.mark.parametrize("shape", ["held", "long", "wide"])  # long: rows past what registers hold; wide: many rows
 def test_producers_quantize_their_output_for_a_float8_product(dtype, kernel, shape):
