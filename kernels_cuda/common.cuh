@@ -101,6 +101,13 @@ __device__ __forceinline__ void vec8_to_float(const vec8 &in, float out[8]) {
     }
 }
 
+__device__ __forceinline__ vec8 float_to_vec8(const float in[8]) {
+    vec8 out;
+#pragma unroll
+    for (int i = 0; i < 4; i++) out.v[i] = from_float2(in[2 * i], in[2 * i + 1]);
+    return out;
+}
+
 // SiLU(g) * u = g / (1 + e^-g) * u; every kernel that applies SiLU (the activation kernel,
 // the gate/up product's epilogue, mlp_block) shares it so all give the same bits. The
 // exponential and the division are the hardware's approximate ones (ex2.approx, rcp.approx:

@@ -209,24 +209,9 @@ constexpr int NC = HIDDEN / (8 * ROW_THREADS);  // 8-value chunks a thread: chun
 static_assert(RT == 32 || RT == 64 || RT == 128, "ROW_THREADS: 32, 64 or 128");
 static_assert(HIDDEN % (8 * RT) == 0, "HIDDEN: a multiple of 8 x ROW_THREADS");
 
-// 8 consecutive 16-bit values <-> floats
-__device__ __forceinline__ void unpack8(const uint4 &u, float f[8]) {
-    const unsigned w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int j = 0; j < 4; j++) {
-        const float2 p = to_float2(*reinterpret_cast<const scalar2_t *>(&w[j]));
-        f[2 * j] = p.x, f[2 * j + 1] = p.y;
-    }
-}
-__device__ __forceinline__ uint4 pack8(const float f[8]) {
-    unsigned w[4];
-#pragma unroll
-    for (int j = 0; j < 4; j++) {
-        const scalar2_t p = from_float2(f[2 * j], f[2 * j + 1]);
-        w[j] = *reinterpret_cast<const unsigned *>(&p);
-    }
-    return make_uint4(w[0], w[1], w[2], w[3]);
-}
+// a 16-byte word of 8 16-bit values as common.cuh's vec8, and back
+__device__ __forceinline__ const vec8 &as_vec8(const uint4 &u) { return reinterpret_cast<const vec8 &>(u); }
+__device__ __forceinline__ uint4 as_uint4(const vec8 &v) { return reinterpret_cast<const uint4 &>(v); }
 
 extern "C" __global__ void __launch_bounds__(256) add_rms_norm_rows(
     res_t *__restrict__ residual, const prod_t *__restrict__ delta, const float *__restrict__ bias,
@@ -240,7 +225,7 @@ extern "C" __global__ void __launch_bounds__(256) add_rms_norm_rows(
     res_t *r = residual + row * HIDDEN;
     const prod_t *d = delta + row * HIDDEN;
     constexpr int RV = RES16 ? 1 : 2, DV = PROD == 0 ? 2 : 1;  // 16-byte words of 8 values
-    uint4 rv[NC][RV], dv[NC][DV];
+    uint4 rv[NC][RV], dv[NC][DV];  // 16-byte words (a float32 chunk: two)
 #pragma unroll
     for (int c = 0; c < NC; c++) {
         const int i = c * RT + t;
@@ -256,7 +241,7 @@ extern "C" __global__ void __launch_bounds__(256) add_rms_norm_rows(
         const int i = c * RT + t;
         float x[8], e[8];
         if constexpr (RES16) {
-            unpack8(rv[c][0], x);
+            vec8_to_float(as_vec8(rv[c][0]), x);
         } else {
             memcpy(x, &rv[c][0], 32);
         }
@@ -265,7 +250,7 @@ extern "C" __global__ void __launch_bounds__(256) add_rms_norm_rows(
         } else {
 #pragma unroll
             for (int j = 0; j < 4; j++) {
-                const unsigned u = (&dv[c][0].x)[j];
+                const unsigned u = reinterpret_cast<const unsigned *>(&dv[c][0])[j];
                 e[2 * j] = prod_to_float(reinterpret_cast<const prod_t *>(&u)[0]);
                 e[2 * j + 1] = prod_to_float(reinterpret_cast<const prod_t *>(&u)[1]);
             }
@@ -284,9 +269,9 @@ extern "C" __global__ void __launch_bounds__(256) add_rms_norm_rows(
 #pragma unroll
         for (int j = 0; j < 8; j++) x[j] = x[j] + e[j] + b[j];
         if constexpr (RES16) {  // the sum rounded to 16 bits, stored, and normed as stored
-            rv[c][0] = pack8(x);
+            rv[c][0] = as_uint4(float_to_vec8(x));
             reinterpret_cast<uint4 *>(r)[i] = rv[c][0];
-            unpack8(rv[c][0], x);
+            vec8_to_float(as_vec8(rv[c][0]), x);
         } else {
             memcpy(&rv[c][0], x, 32);
             reinterpret_cast<uint4 *>(r)[2 * i] = rv[c][0];
@@ -302,7 +287,7 @@ extern "C" __global__ void __launch_bounds__(256) add_rms_norm_rows(
         const int i = c * RT + t;
         float x[8];
         if constexpr (RES16) {
-            unpack8(rv[c][0], x);
+            vec8_to_float(as_vec8(rv[c][0]), x);
         } else {
             memcpy(x, &rv[c][0], 32);
         }
@@ -310,10 +295,10 @@ extern "C" __global__ void __launch_bounds__(256) add_rms_norm_rows(
         const float g[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
 #pragma unroll
         for (int j = 0; j < 8; j++) x[j] = x[j] * inv * g[j];
-        rv[c][0] = pack8(x);  // the output, rounded to 16 bits (the residual is stored already)
+        rv[c][0] = as_uint4(float_to_vec8(x));  // the output, rounded to 16 bits (the residual is stored already)
         if (out != nullptr) reinterpret_cast<uint4 *>(out + row * HIDDEN)[i] = rv[c][0];
         if (QUANT_OUT) {
-            unpack8(rv[c][0], x);
+            vec8_to_float(as_vec8(rv[c][0]), x);
 #pragma unroll
             for (int j = 0; j < 8; j++) m = fmaxf(m, fabsf(x[j]));
         }
@@ -325,7 +310,7 @@ extern "C" __global__ void __launch_bounds__(256) add_rms_norm_rows(
 #pragma unroll
     for (int c = 0; c < NC; c++) {
         float x[8];
-        unpack8(rv[c][0], x);
+        vec8_to_float(as_vec8(rv[c][0]), x);
         reinterpret_cast<uint2 *>(q + row * HIDDEN)[c * RT + t] = fp8x8(x, qinv);
     }
 #endif
