@@ -27,12 +27,14 @@ AHEAD_MIN_ROWS = 1024
 # (rmsnorm.cu): ROW_THREADS threads a row, two rows a block, where the row divides into 8 x
 # ROW_THREADS values, a thread holds at most ROW_MAX_CHUNKS of 8, and the delta is in one part.
 # H200, 4,096 a row, a bfloat16 stream, a bfloat16 delta, e4m3 codes out, captured graphs, us
-# (raw sums with their scales / scaled already): 2,040 rows 24.80 / 23.21 -> 16.74 / 16.35, 1,024
-# rows 13.65 / 12.64 -> 9.91 / 9.79, 512 rows 6.69 / 6.56 -> 4.42 / 4.20 (a floor of 13.9 us at
-# 2,040 rows: 7 bytes a value at 4.2 TB/s). 64 threads a row, or launch bounds for 3-4 blocks an
-# SM, were slower. A float32 stream (11 bytes a value) gained with scaled raw sums and lost
-# without (2,040 rows: 28.85 -> 25.55 and 26.18 -> 28.59), so it keeps norm_row.
-ROWS_MIN_ROWS = 512
+# (raw sums with their scales / scaled already), norm_row's blocks -> add_rms_norm_rows: 2,040 rows
+# 24.32 / 22.84 -> 17.58 / 16.71 (a floor of 13.9 us: 7 bytes a value at 4.2 TB/s), 1,024 13.55 /
+# 12.57 -> 10.25 / 10.25, 512 5.90 / 5.77 -> 5.04 / 4.69, 256 3.63 / 3.57 -> 3.22 / 2.98, 128 2.95 /
+# 2.88 -> 2.84 / 2.63. 64 threads a row, or launch bounds for 3-4 blocks an SM, were slower. A
+# float32 stream (11 bytes a value) gained with scaled raw sums at 2,040 rows and lost elsewhere
+# (2,040 rows: 28.84 -> 27.63 and 26.18 -> 29.65; 1,024: 15.07 -> 16.34 and 13.68 -> 16.14), so it
+# keeps norm_row.
+ROWS_MIN_ROWS = 128
 ROW_THREADS = 128
 ROW_MAX_CHUNKS = 8
 
