@@ -207,12 +207,18 @@ __device__ __forceinline__ float group_reduce(float v, float *red, int group) {
 // Fragments of lane l = 4g + q: a0 (row g, k 2q..2q+1), a1 (row g+8, same k), a2 (row g,
 // k 2q+8..), a3 (row g+8, k 2q+8..); b0 (k 2q..2q+1, col g), b1 (k 2q+8.., col g);
 // c0 c1 (row g, cols 2q, 2q+1), c2 c3 (row g+8, same cols). Lower k in the lower 16 bits.
+// F16: the operands are float16 (the default: the model's 16-bit type, MMA_TYPE).
+#define MMA_16816_PTX(T) \
+    "mma.sync.aligned.m16n8k16.row.col.f32." T "." T ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+template <bool F16 = !USE_BF16>
 __device__ __forceinline__ void mma_16816(float c[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                                           unsigned b0, unsigned b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE ".f32 "
-                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    if constexpr (F16)
+        asm volatile(MMA_16816_PTX("f16") : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    else
+        asm volatile(MMA_16816_PTX("bf16") : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 // One tile of scores into a warp's running softmax (flash attention, log2 domain). sc:
@@ -268,6 +274,11 @@ __device__ __forceinline__ void online_softmax(float (&sc)[STILES][4], float m_r
 
 __device__ __forceinline__ unsigned pack2(float lo, float hi) {
     scalar2_t v = from_float2(lo, hi);
+    return *reinterpret_cast<unsigned *>(&v);
+}
+// the same in float16, whatever the model's type (pack2 itself for a float16 model)
+__device__ __forceinline__ unsigned pack2_f16(float lo, float hi) {
+    __half2 v = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<unsigned *>(&v);
 }
 
@@ -394,14 +405,18 @@ __device__ __forceinline__ unsigned fp8x2_to_scalar2(unsigned short v) {
 }
 // four e4m3 bytes -> lo: bytes 0, 1 and hi: bytes 2, 3 as two 16-bit values each; the
 // converts read the word's halves in place (no masking or shifting first)
+// (fp8x4_to_f16x2x2: the same into float16, whatever the model's type: one convert a pair)
+__device__ __forceinline__ void fp8x4_to_f16x2x2(unsigned w, unsigned &lo, unsigned &hi) {
+    asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.rn.f16x2.e4m3x2 %0, l;\n\tcvt.rn.f16x2.e4m3x2 %1, h;\n\t}"
+        : "=r"(lo), "=r"(hi)
+        : "r"(w));
+}
 __device__ __forceinline__ void fp8x4_to_scalar2x2(unsigned w, unsigned &lo, unsigned &hi) {
 #if USE_BF16
     lo = fp8x2_to_scalar2((unsigned short)(w & 0xffff));
     hi = fp8x2_to_scalar2((unsigned short)(w >> 16));
 #else
-    asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.rn.f16x2.e4m3x2 %0, l;\n\tcvt.rn.f16x2.e4m3x2 %1, h;\n\t}"
-        : "=r"(lo), "=r"(hi)
-        : "r"(w));
+    fp8x4_to_f16x2x2(w, lo, hi);
 #endif
 }
 // 16 e4m3 bytes (one 16-byte load) -> 8 words of two 16-bit values, lower byte first

@@ -118,6 +118,19 @@ __device__ __forceinline__ int window_start(int kv_len, int window) {
 // split (the rest are masked). O^T tile j, rows g and g + 8: dims swap_dim(j, g) and
 // swap_dim(j, g) + 2 (tile 2u + e: dims 32u + 4g + e and + 2, so that a lane reads whole V words).
 __device__ __forceinline__ int swap_dim(int j, int g) { return 32 * (j >> 1) + 4 * g + (j & 1); }
+// The swapped form's MMAs take float16 operands whatever the model's 16-bit type: e4m3 K and V widen
+// to float16 in one convert a pair (to bfloat16 through float16 and float32: four converts), and a
+// bfloat16 model's q (rounded to float16, held to its range) and probabilities (<= 1) keep more bits
+// in float16 than in bfloat16. The scores, the softmax, the output and the partials are float32 as
+// before. For a float16 model nothing changes.
+__device__ __forceinline__ unsigned q_to_f16x2(unsigned w) {  // two q values of the model's type
+#if USE_BF16
+    const float2 f = to_float2(*reinterpret_cast<const scalar2_t *>(&w));
+    return pack2_f16(fminf(fmaxf(f.x, -65504.0f), 65504.0f), fminf(fmaxf(f.y, -65504.0f), 65504.0f));
+#else
+    return w;
+#endif
+}
 __device__ __forceinline__ void swapped_tile(const kv_t *cK, const kv_t *cV, const unsigned (&qf)[KSTEPS][2],
                                              float (&o)[HEAD_DIM / 16][4], float m_run[2], float l_run[2],
                                              int live, float scale2) {
@@ -126,9 +139,9 @@ __device__ __forceinline__ void swapped_tile(const kv_t *cK, const kv_t *cV, con
 #pragma unroll
     for (int kk = 0; kk < KSTEPS; kk++) {  // K word of dims 4q..4q+3 -> k slots 2q, 2q+1 and 2q+8, 2q+9
         unsigned a0, a1, a2, a3;
-        fp8x4_to_scalar2x2(*reinterpret_cast<const unsigned *>(cK + g * SROW + kk * 16 + 4 * qd), a0, a2);
-        fp8x4_to_scalar2x2(*reinterpret_cast<const unsigned *>(cK + (g + 8) * SROW + kk * 16 + 4 * qd), a1, a3);
-        mma_16816(s, a0, a1, a2, a3, qf[kk][0], qf[kk][1]);
+        fp8x4_to_f16x2x2(*reinterpret_cast<const unsigned *>(cK + g * SROW + kk * 16 + 4 * qd), a0, a2);
+        fp8x4_to_f16x2x2(*reinterpret_cast<const unsigned *>(cK + (g + 8) * SROW + kk * 16 + 4 * qd), a1, a3);
+        mma_16816<true>(s, a0, a1, a2, a3, qf[kk][0], qf[kk][1]);
     }
     if (live < 16) {
         if (g >= live) s[0] = s[1] = NEG_INF;
@@ -159,7 +172,7 @@ __device__ __forceinline__ void swapped_tile(const kv_t *cK, const kv_t *cV, con
         }
     }
     // P^T: k slots 2q, 2q + 1 (keys 2q, 2q + 1) and 2q + 8, 2q + 9 of column g (head g)
-    const unsigned p0 = movmatrix_trans(pack2(s[0], s[1])), p1 = movmatrix_trans(pack2(s[2], s[3]));
+    const unsigned p0 = movmatrix_trans(pack2_f16(s[0], s[1])), p1 = movmatrix_trans(pack2_f16(s[2], s[3]));
     // V^T tile 2u + e from the lane's V words of keys 2q, 2q + 1, 2q + 8, 2q + 9 (one byte
     // permute gives a key pair at both of the lane's dims)
 #pragma unroll
@@ -172,9 +185,9 @@ __device__ __forceinline__ void swapped_tile(const kv_t *cK, const kv_t *cV, con
         for (int e = 0; e < 2; e++) {
             const unsigned sel = e == 0 ? 0x6240u : 0x7351u;
             unsigned a0, a1, a2, a3;
-            fp8x4_to_scalar2x2(__byte_perm(w[0], w[1], sel), a0, a1);
-            fp8x4_to_scalar2x2(__byte_perm(w[2], w[3], sel), a2, a3);
-            mma_16816(o[2 * u + e], a0, a1, a2, a3, p0, p1);
+            fp8x4_to_f16x2x2(__byte_perm(w[0], w[1], sel), a0, a1);
+            fp8x4_to_f16x2x2(__byte_perm(w[2], w[3], sel), a2, a3);
+            mma_16816<true>(o[2 * u + e], a0, a1, a2, a3, p0, p1);
         }
     }
 }
@@ -278,8 +291,8 @@ __device__ __forceinline__ void decode_split(
     for (int kk = 0; kk < KSTEPS; kk++) {
         const uint2 w = g < GROUP ? *reinterpret_cast<const uint2 *>(q + (row0 + g) * HEAD_DIM + kk * 16 + 4 * qd)
                                   : make_uint2(0u, 0u);
-        qf[kk][0] = w.x;
-        qf[kk][1] = w.y;
+        qf[kk][0] = q_to_f16x2(w.x);
+        qf[kk][1] = q_to_f16x2(w.y);
     }
     cp_async_wait<0>();  // the tiles ahead have landed
     __syncthreads();

@@ -97,7 +97,8 @@ def test_smollm2_fp8_weights_stay_close(smollm2, smollm2_runner, accumulation):
     ("llama", "auto", None, None), ("qwen2", "auto", None, None), ("mistral", "auto", None, None),
     ("llama_tied_mha", "auto", None, None), ("llama_hd64", "fp8", None, None), ("mistral_hd32", "fp8", None, None),
     ("qwen2", "auto", "fp8", None), ("llama_hd64", "fp8", "fp8", None),
-    ("llama", "auto", None, "bfloat16"), ("qwen2", "auto", "fp8", "bfloat16"), ("mistral", "auto", None, "run-bf16")])
+    ("llama", "auto", None, "bfloat16"), ("qwen2", "auto", "fp8", "bfloat16"), ("mistral", "auto", None, "run-bf16"),
+    ("llama_hd64", "fp8", None, "bfloat16")])
 def test_tiny_models_match_the_numpy_runner(tmp_path, name, kv_dtype, quant, dtype):
     """A ragged prefill through the eager path, then decode steps through execute()
     (the captured graph), against the NumPy runner's logits; with an fp8 K/V cache the

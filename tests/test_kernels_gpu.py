@@ -966,6 +966,36 @@ def test_flash_decode(kv8, splits, chunk, window, heads, min_blocks, whole, shor
             np.testing.assert_allclose(got[b, h], ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("D", [64, 128])
+def test_flash_decode_bfloat16_fp8_multiplies_in_float16(D):
+    """fp8 K/V with at most 8 query heads a KV head (the form with the keys as the MMA's rows): a
+    bfloat16 model's q goes to float16 (held to its range) and the MMAs take float16 operands, as
+    e4m3 widens to float16 in one convert. So the output is the float16 launch's on the same q to
+    within bfloat16's rounding of the same float32 sums, and a q past float16's range gives a finite
+    output."""
+    from kernels_cuda.flash_decode import flash_decode
+    (H, KVH), region, splits = (8, 2), 1024, 3
+    lens = np.array([1, 70, 129, 0, 640, 1000], np.int32)
+    B = len(lens)
+    q = rng.standard_normal((B, H, D)).astype(np.float32) * 4
+    q[4, 1, 5] = 1e5  # past float16's range
+    q = rounded(q, "bfloat16")
+    kv, kp, vp, _pool = kv_cache_rows(True, B, region, KVH, D)
+
+    def run(dtype: str, qv: np.ndarray) -> np.ndarray:
+        out = cp.full((B, H, D), np.nan, np.uint16 if dtype == "bfloat16" else np.float16)
+        part_o, part_ml = cp.zeros((B, H, splits, D), np.float32), cp.zeros((B, H, splits, 2), np.float32)
+        flash_decode(to_dev(qv, dtype), kp, vp, cp.asarray(lens), 0, KVH, part_o, part_ml,
+                     cp.zeros((B, KVH), np.int32), out, D ** -0.5, chunk=128, kv_fp8=True)
+        return from_dev(out)
+
+    got = run("bfloat16", q)
+    want = run("float16", np.clip(q, -65504, 65504))  # the same float16 operands
+    live = lens > 0
+    assert np.isfinite(got[live]).all() and np.abs(got[live]).max() > 0
+    np.testing.assert_allclose(got[live], want[live], rtol=2.0 ** -8, atol=1e-6)
+
+
 @pytest.mark.parametrize("kernel", ["mma", "wgmma"])
 @pytest.mark.parametrize("kv8", [False, True], ids=["kv16", "kv8"])
 @pytest.mark.parametrize("heads,window,D", [((8, 2), 0, 64), ((8, 2), 100, 64), ((6, 2), 0, 64), ((4, 4), 0, 64),
