@@ -182,7 +182,7 @@ extern "C" __global__ void add_rms_norm(res_t *__restrict__ residual, const prod
 // threads takes a row of HIDDEN values, 256 / ROW_THREADS rows a block, and its sums go across
 // the group's warps through shared memory and a barrier of the group's own (no block-wide
 // barrier). A thread issues all its loads of the residual and the delta at once and keeps the
-// new residual packed as stored (16 bits or float32), with the weights and the product's
+// new residual packed as stored (16 bits: -DRES16 only), with the weights and the product's
 // per-feature scales read when used (the same for every row: L1 / L2). So a row holds fewer
 // registers than norm_row's, and an SM has more rows in flight: norm_row's blocks of a row
 // each wait through their loads, two block-wide reductions and their stores with 3-4 rows an
@@ -208,6 +208,7 @@ constexpr int RT = ROW_THREADS, RPB = 256 / ROW_THREADS, RW = ROW_THREADS / 32;
 constexpr int NC = HIDDEN / (8 * ROW_THREADS);  // 8-value chunks a thread: chunk c at (c x RT + t) x 8
 static_assert(RT == 32 || RT == 64 || RT == 128, "ROW_THREADS: 32, 64 or 128");
 static_assert(HIDDEN % (8 * RT) == 0, "HIDDEN: a multiple of 8 x ROW_THREADS");
+static_assert(RES16, "add_rms_norm_rows: a 16-bit residual stream (a float32 one lost by it: rmsnorm.py)");
 
 // a 16-byte word of 8 16-bit values as common.cuh's vec8, and back
 __device__ __forceinline__ const vec8 &as_vec8(const uint4 &u) { return reinterpret_cast<const vec8 &>(u); }
@@ -224,13 +225,12 @@ extern "C" __global__ void __launch_bounds__(256) add_rms_norm_rows(
     if (row >= rows) return;  // the whole group: its barrier is its own
     res_t *r = residual + row * HIDDEN;
     const prod_t *d = delta + row * HIDDEN;
-    constexpr int RV = RES16 ? 1 : 2, DV = PROD == 0 ? 2 : 1;  // 16-byte words of 8 values
-    uint4 rv[NC][RV], dv[NC][DV];  // 16-byte words (a float32 chunk: two)
+    constexpr int DV = PROD == 0 ? 2 : 1;  // 16-byte words of a chunk of the delta
+    uint4 rv[NC], dv[NC][DV];
 #pragma unroll
     for (int c = 0; c < NC; c++) {
         const int i = c * RT + t;
-#pragma unroll
-        for (int h = 0; h < RV; h++) rv[c][h] = reinterpret_cast<const uint4 *>(r)[i * RV + h];
+        rv[c] = reinterpret_cast<const uint4 *>(r)[i];
 #pragma unroll
         for (int h = 0; h < DV; h++) dv[c][h] = reinterpret_cast<const uint4 *>(d)[i * DV + h];
     }
@@ -240,11 +240,7 @@ extern "C" __global__ void __launch_bounds__(256) add_rms_norm_rows(
     for (int c = 0; c < NC; c++) {
         const int i = c * RT + t;
         float x[8], e[8];
-        if constexpr (RES16) {
-            vec8_to_float(as_vec8(rv[c][0]), x);
-        } else {
-            memcpy(x, &rv[c][0], 32);
-        }
+        vec8_to_float(as_vec8(rv[c]), x);
         if constexpr (PROD == 0) {
             memcpy(e, &dv[c][0], 32);
         } else {
@@ -268,15 +264,9 @@ extern "C" __global__ void __launch_bounds__(256) add_rms_norm_rows(
         }
 #pragma unroll
         for (int j = 0; j < 8; j++) x[j] = x[j] + e[j] + b[j];
-        if constexpr (RES16) {  // the sum rounded to 16 bits, stored, and normed as stored
-            rv[c][0] = as_uint4(float_to_vec8(x));
-            reinterpret_cast<uint4 *>(r)[i] = rv[c][0];
-            vec8_to_float(as_vec8(rv[c][0]), x);
-        } else {
-            memcpy(&rv[c][0], x, 32);
-            reinterpret_cast<uint4 *>(r)[2 * i] = rv[c][0];
-            reinterpret_cast<uint4 *>(r)[2 * i + 1] = rv[c][1];
-        }
+        rv[c] = as_uint4(float_to_vec8(x));  // the sum rounded to 16 bits, stored, and normed as stored
+        reinterpret_cast<uint4 *>(r)[i] = rv[c];
+        vec8_to_float(as_vec8(rv[c]), x);
 #pragma unroll
         for (int j = 0; j < 8; j += 4) ss += x[j] * x[j] + x[j + 1] * x[j + 1] + x[j + 2] * x[j + 2] + x[j + 3] * x[j + 3];
     }
@@ -286,19 +276,15 @@ extern "C" __global__ void __launch_bounds__(256) add_rms_norm_rows(
     for (int c = 0; c < NC; c++) {
         const int i = c * RT + t;
         float x[8];
-        if constexpr (RES16) {
-            vec8_to_float(as_vec8(rv[c][0]), x);
-        } else {
-            memcpy(x, &rv[c][0], 32);
-        }
+        vec8_to_float(as_vec8(rv[c]), x);
         const float4 g0 = reinterpret_cast<const float4 *>(w)[2 * i], g1 = reinterpret_cast<const float4 *>(w)[2 * i + 1];
         const float g[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
 #pragma unroll
         for (int j = 0; j < 8; j++) x[j] = x[j] * inv * g[j];
-        rv[c][0] = as_uint4(float_to_vec8(x));  // the output, rounded to 16 bits (the residual is stored already)
-        if (out != nullptr) reinterpret_cast<uint4 *>(out + row * HIDDEN)[i] = rv[c][0];
+        rv[c] = as_uint4(float_to_vec8(x));  // the output, rounded to 16 bits (the residual is stored already)
+        if (out != nullptr) reinterpret_cast<uint4 *>(out + row * HIDDEN)[i] = rv[c];
         if (QUANT_OUT) {
-            vec8_to_float(as_vec8(rv[c][0]), x);
+            vec8_to_float(as_vec8(rv[c]), x);
 #pragma unroll
             for (int j = 0; j < 8; j++) m = fmaxf(m, fabsf(x[j]));
         }
@@ -310,7 +296,7 @@ extern "C" __global__ void __launch_bounds__(256) add_rms_norm_rows(
 #pragma unroll
     for (int c = 0; c < NC; c++) {
         float x[8];
-        vec8_to_float(as_vec8(rv[c][0]), x);
+        vec8_to_float(as_vec8(rv[c]), x);
         reinterpret_cast<uint2 *>(q + row * HIDDEN)[c * RT + t] = fp8x8(x, qinv);
     }
 #endif
