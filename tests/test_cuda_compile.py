@@ -31,7 +31,10 @@ VARIANTS = {"flash_decode": [{"HEAD_DIM": 64, "GROUP": 3}, {"HEAD_DIM": 128, "GR
             "activation": [{}, {"PROD": 1}, {"PROD": 2}, {"PROD": 2, "QUANT_OUT": 1, "SILU_VEC": 7}],  # common.cuh
             "rmsnorm": [{}, {"QUANT_OUT": 1}, {"QUANT_OUT": 1, "NORM_VEC": 8}, {"QUANT_OUT": 1, "NORM_AHEAD": 1},
                         {"PROD": 1}, {"PROD": 2, "QUANT_OUT": 1, "NORM_AHEAD": 1},
-                        {"PROD": 2, "QUANT_OUT": 1, "NORM_AHEAD": 1, "RES16": 1}, {"RES16": 1}],
+                        {"PROD": 2, "QUANT_OUT": 1, "NORM_AHEAD": 1, "RES16": 1}, {"RES16": 1},
+                        {"ROW_THREADS": 128, "HIDDEN": 4096, "RES16": 1, "PROD": 2, "QUANT_OUT": 1, "ROW_SCALED": 1},
+                        {"ROW_THREADS": 32, "HIDDEN": 256, "RES16": 1, "ROW_BIAS": 1}],
+            "quant": [{}, {"Q_ROW_THREADS": 128, "Q_K": 4096}, {"Q_ROW_THREADS": 32, "Q_K": 256}],
             "embedding": [{}, {"RES16": 1}],
             "gemv": [{}, {"HEAD_DIM": 64, "KV_FP8": 1}, {"DEPTH": 4}, {"W_FP8": 1}, {"W_FP8": 1, "DEPTH": 4},
                      {"PRELOAD": 1}, {"PRELOAD": 1, "W_FP8": 1}, {"NORM_IN": 1, "HEAD_DIM": 64},
