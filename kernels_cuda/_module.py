@@ -224,6 +224,22 @@ def wide_threads(rows: int, n: int, per_thread: int, wide_most: int) -> int:
     return threads_for(n, per_thread, most=wide_most if rows >= WIDE_MIN_ROWS else 1024)
 
 
+# Kernels that give a row to a group of threads, several rows a block of ROW_GROUP_BLOCK
+# (rmsnorm.cu's add_rms_norm_rows, quant.cu's quantize_rows_group: common.cuh's group_reduce).
+ROW_GROUP_BLOCK = 256
+
+
+def row_group_fits(n: int, threads: int, max_chunks: int) -> bool:
+    """Whether a row of n values splits into 8-value chunks over `threads` threads, at most
+    max_chunks a thread (what such a kernel holds in registers)."""
+    return n % (8 * threads) == 0 and n // (8 * threads) <= max_chunks
+
+
+def row_group_grid(rows: int, threads: int) -> tuple[tuple[int], tuple[int]]:
+    """(grid, block) of such a kernel over `rows` rows of `threads` threads each."""
+    return (-(-rows // (ROW_GROUP_BLOCK // threads)),), (ROW_GROUP_BLOCK,)
+
+
 def scale_args(scales: tuple[cp.ndarray, cp.ndarray] | None, rows: int, cols: int) -> tuple:
     """(rs, cs) kernel arguments for the raw sums of a float8 product (gemm.gemm_fp8):
     scales = (a scale per row (rows,), a scale per column (cols,)) float32, or None (two

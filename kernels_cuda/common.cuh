@@ -185,6 +185,7 @@ __device__ __forceinline__ float block_max(float v, float *scratch) {
 // quantize_rows_group); every thread of the group gets it. red: G / 32 floats of the group's own,
 // a region per reduction of a kernel; the group's warps meet at a named barrier of its own (id
 // group + 1), so groups never wait for each other, and a group whose row is past the last may exit.
+#define ROW_GROUP_BLOCK 256  // threads a block of such kernels (_module.ROW_GROUP_BLOCK)
 template <int G, int OP>
 __device__ __forceinline__ float group_reduce(float v, float *red, int group) {
     v = OP == 0 ? warp_sum(v) : warp_max(v);
@@ -430,10 +431,19 @@ __device__ __forceinline__ void fp8x16_to_scalar2x8(const uint4 &v, unsigned out
 // q = x / scale, so the row uses e4m3's whole range. quant_inv: the block's max of its
 // threads' m (their largest |x|) -> writes the scale (thread 0), returns 448 / max (1 for a
 // zero row); scratch: 32 floats of shared memory. fp8x4 / fp8x8: the codes of 4 / 8 values.
-__device__ __forceinline__ float quant_inv(float m, float *scale, float *scratch) {
-    m = block_max(m, scratch);
-    if (threadIdx.x == 0) *scale = m > 0.0f ? m / FP8_MAX : 1.0f;
+// quant_scale: from the whole row's largest |x| m, the scale (scale[i], written where `write`) and
+// 448 / m. group_quant_inv: quant_inv over a group of G threads a row (group_reduce's; red as
+// there), its thread t = 0 writing scale[i].
+__device__ __forceinline__ float quant_scale(float m, float *scale, long long i, bool write) {
+    if (write) scale[i] = m > 0.0f ? m / FP8_MAX : 1.0f;
     return m > 0.0f ? FP8_MAX / m : 1.0f;
+}
+__device__ __forceinline__ float quant_inv(float m, float *scale, float *scratch) {
+    return quant_scale(block_max(m, scratch), scale, 0, threadIdx.x == 0);
+}
+template <int G>
+__device__ __forceinline__ float group_quant_inv(float m, float *scale, long long i, float *red, int group, int t) {
+    return quant_scale(group_reduce<G, 1>(m, red, group), scale, i, t == 0);
 }
 __device__ __forceinline__ unsigned fp8x4(const float f[4], float inv) {
     return fp8x2_from_floats(f[0] * inv, f[1] * inv) | ((unsigned)fp8x2_from_floats(f[2] * inv, f[3] * inv) << 16);

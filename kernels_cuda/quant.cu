@@ -15,7 +15,7 @@ extern "C" __global__ void quantize_rows(const scalar_t *__restrict__ x, unsigne
 }
 
 // -DQ_ROW_THREADS (32, 64 or 128; 0: not built), -DQ_K (the rows' length, a multiple of 8 x
-// Q_ROW_THREADS): a group of Q_ROW_THREADS threads takes a row, 256 / Q_ROW_THREADS rows a block,
+// Q_ROW_THREADS): a group of Q_ROW_THREADS threads takes a row, ROW_GROUP_BLOCK / Q_ROW_THREADS rows a block,
 // its max through group_reduce (no block-wide barrier), each thread's 8-value chunks in registers
 // from one load each. A max is exact in any order: quantize_row's codes and scale, bit for bit.
 #ifndef Q_ROW_THREADS
@@ -29,13 +29,13 @@ constexpr int QG = Q_ROW_THREADS, QNC = Q_K / (8 * QG);
 static_assert(QG == 32 || QG == 64 || QG == 128, "Q_ROW_THREADS: 32, 64 or 128");
 static_assert(Q_K % (8 * QG) == 0, "Q_K: a multiple of 8 x Q_ROW_THREADS");
 
-extern "C" __global__ void __launch_bounds__(256) quantize_rows_group(const scalar_t *__restrict__ x,
+extern "C" __global__ void __launch_bounds__(ROW_GROUP_BLOCK) quantize_rows_group(const scalar_t *__restrict__ x,
                                                                       unsigned char *__restrict__ q,
                                                                       float *__restrict__ scale, int rows) {
-    __shared__ float red[256 / QG][QG / 32];
+    __shared__ float red[ROW_GROUP_BLOCK / QG][QG / 32];
     PDL_ENTER();
     const int group = threadIdx.x / QG, t = threadIdx.x % QG;
-    const long long row = (long long)blockIdx.x * (256 / QG) + group;
+    const long long row = (long long)blockIdx.x * (ROW_GROUP_BLOCK / QG) + group;
     if (row >= rows) return;  // the whole group: its barrier is its own
     const vec8 *xr = reinterpret_cast<const vec8 *>(x + row * Q_K);
     vec8 v[QNC];
@@ -49,9 +49,7 @@ extern "C" __global__ void __launch_bounds__(256) quantize_rows_group(const scal
 #pragma unroll
         for (int j = 0; j < 8; j++) m = fmaxf(m, fabsf(f[j]));
     }
-    m = group_reduce<QG, 1>(m, red[group], group);
-    if (t == 0) scale[row] = m > 0.0f ? m / FP8_MAX : 1.0f;
-    const float inv = m > 0.0f ? FP8_MAX / m : 1.0f;
+    const float inv = group_quant_inv<QG>(m, scale, row, red[group], group, t);
     uint2 *qr = reinterpret_cast<uint2 *>(q + row * Q_K);
 #pragma unroll
     for (int c = 0; c < QNC; c++) {

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import cupy as cp
 import numpy as np
 
-from ._module import check, i32, launch, module, threads_for, use_bf16
+from ._module import check, i32, launch, module, row_group_fits, row_group_grid, threads_for, use_bf16
 
 
 @dataclass
@@ -40,7 +40,7 @@ GROUP_MAX_CHUNKS = 8
 
 def group_kernel(rows: int, K: int) -> bool:
     """Whether quantize_rows takes quantize_rows_group (GROUP_MIN_ROWS) for this launch."""
-    return rows >= GROUP_MIN_ROWS and K % (8 * GROUP_THREADS) == 0 and K // (8 * GROUP_THREADS) <= GROUP_MAX_CHUNKS
+    return rows >= GROUP_MIN_ROWS and row_group_fits(K, GROUP_THREADS, GROUP_MAX_CHUNKS)
 
 
 def quantize_rows(x: cp.ndarray, q: cp.ndarray | None = None, scale: cp.ndarray | None = None,
@@ -57,7 +57,7 @@ def quantize_rows(x: cp.ndarray, q: cp.ndarray | None = None, scale: cp.ndarray 
     check(scale, "scale", np.float32, (rows,))
     if rows and group_kernel(rows, K):
         mod = module("quant", USE_BF16=use_bf16(x), Q_ROW_THREADS=GROUP_THREADS, Q_K=K)
-        launch(mod.get_function("quantize_rows_group"), (-(-rows // (256 // GROUP_THREADS)),), (256,),
+        launch(mod.get_function("quantize_rows_group"), *row_group_grid(rows, GROUP_THREADS),
                (x, q, scale, i32(rows)), pdl=pdl)
     elif rows:
         launch(module("quant", USE_BF16=use_bf16(x)).get_function("quantize_rows"), (rows,), (threads_for(K, 8),),

@@ -179,7 +179,7 @@ extern "C" __global__ void add_rms_norm(res_t *__restrict__ residual, const prod
 
 // ---------------------------------------------------------------- many rows: a row a group
 // add_rms_norm for steps of many rows (rmsnorm.py: ROWS_MIN_ROWS): a group of ROW_THREADS
-// threads takes a row of HIDDEN values, 256 / ROW_THREADS rows a block, and its sums go across
+// threads takes a row of HIDDEN values, ROW_GROUP_BLOCK / ROW_THREADS rows a block, and its sums go across
 // the group's warps through shared memory and a barrier of the group's own (no block-wide
 // barrier). A thread issues all its loads of the residual and the delta at once and keeps the
 // new residual packed as stored (16 bits: -DRES16 only), with the weights and the product's
@@ -204,7 +204,7 @@ extern "C" __global__ void add_rms_norm(res_t *__restrict__ residual, const prod
 #ifndef HIDDEN
 #error "add_rms_norm_rows needs -DHIDDEN"
 #endif
-constexpr int RT = ROW_THREADS, RPB = 256 / ROW_THREADS, RW = ROW_THREADS / 32;
+constexpr int RT = ROW_THREADS, RPB = ROW_GROUP_BLOCK / ROW_THREADS, RW = ROW_THREADS / 32;
 constexpr int NC = HIDDEN / (8 * ROW_THREADS);  // 8-value chunks a thread: chunk c at (c x RT + t) x 8
 static_assert(RT == 32 || RT == 64 || RT == 128, "ROW_THREADS: 32, 64 or 128");
 static_assert(HIDDEN % (8 * RT) == 0, "HIDDEN: a multiple of 8 x ROW_THREADS");
@@ -214,7 +214,7 @@ static_assert(RES16, "add_rms_norm_rows: a 16-bit residual stream (a float32 one
 __device__ __forceinline__ const vec8 &as_vec8(const uint4 &u) { return reinterpret_cast<const vec8 &>(u); }
 __device__ __forceinline__ uint4 as_uint4(const vec8 &v) { return reinterpret_cast<const uint4 &>(v); }
 
-extern "C" __global__ void __launch_bounds__(256) add_rms_norm_rows(
+extern "C" __global__ void __launch_bounds__(ROW_GROUP_BLOCK) add_rms_norm_rows(
     res_t *__restrict__ residual, const prod_t *__restrict__ delta, const float *__restrict__ bias,
     const float *__restrict__ w, scalar_t *__restrict__ out, int rows, float eps, const float *__restrict__ rs,
     const float *__restrict__ cs, unsigned char *__restrict__ q, float *__restrict__ q_scale) {
@@ -290,9 +290,7 @@ extern "C" __global__ void __launch_bounds__(256) add_rms_norm_rows(
         }
     }
 #if QUANT_OUT
-    m = group_reduce<RT, 1>(m, red[1][group], group);
-    if (t == 0) q_scale[row] = m > 0.0f ? m / FP8_MAX : 1.0f;
-    const float qinv = m > 0.0f ? FP8_MAX / m : 1.0f;
+    const float qinv = group_quant_inv<RT>(m, q_scale, row, red[1][group], group, t);
 #pragma unroll
     for (int c = 0; c < NC; c++) {
         float x[8];

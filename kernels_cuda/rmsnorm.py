@@ -6,7 +6,7 @@ import cupy as cp
 import numpy as np
 
 from ._module import (WIDE_MIN_ROWS, check, check_scalar, f32, i32, i64, launch, module, prod_kind, ptr_or_null,
-                      quant_out_args, quant_out_target, scale_args, use_bf16)
+                      quant_out_args, quant_out_target, row_group_fits, row_group_grid, scale_args, use_bf16)
 
 # Threads a block (one row) below _module.WIDE_MIN_ROWS rows: decode steps (gemv.NormIn sums in
 # this block's order).
@@ -113,11 +113,10 @@ def add_rms_norm(residual: cp.ndarray, delta: cp.ndarray, weight: cp.ndarray, ep
     res16 = _res16(residual, out, "residual")
     quant_out, q_args = quant_out_args(quant, rows, hidden)
     if rows_kernel(rows, hidden, res16, parts):
-        per_block = 256 // ROW_THREADS
         mod = module("rmsnorm", USE_BF16=use_bf16(out), QUANT_OUT=quant_out, PROD=prod, RES16=res16,
                      ROW_THREADS=ROW_THREADS, HIDDEN=hidden, ROW_SCALED=int(scales is not None),
                      ROW_BIAS=int(bias is not None))
-        launch(mod.get_function("add_rms_norm_rows"), (-(-rows // per_block),), (256,),
+        launch(mod.get_function("add_rms_norm_rows"), *row_group_grid(rows, ROW_THREADS),
                (residual, delta, ptr_or_null(bias), weight, quant_out_target(out, quant, codes_only), i32(rows),
                 f32(eps), *scale_args(scales, rows, hidden), *q_args), pdl=pdl)
     elif rows:
@@ -131,8 +130,7 @@ def add_rms_norm(residual: cp.ndarray, delta: cp.ndarray, weight: cp.ndarray, ep
 
 def rows_kernel(rows: int, hidden: int, res16: int, parts: int) -> bool:
     """Whether add_rms_norm takes add_rms_norm_rows (ROWS_MIN_ROWS) for this launch."""
-    return (bool(res16) and rows >= ROWS_MIN_ROWS and parts == 1 and hidden % (8 * ROW_THREADS) == 0
-            and hidden // (8 * ROW_THREADS) <= ROW_MAX_CHUNKS)
+    return bool(res16) and rows >= ROWS_MIN_ROWS and parts == 1 and row_group_fits(hidden, ROW_THREADS, ROW_MAX_CHUNKS)
 
 
 def delta_parts(delta: cp.ndarray, rows: int, hidden: int, name: str, dtype=np.float32) -> tuple[int, int]:
