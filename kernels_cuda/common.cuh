@@ -508,32 +508,62 @@ typedef float prod_t;
 __device__ __forceinline__ float prod_to_float(prod_t v) { return v; }
 #endif
 
+// 8 consecutive product values as loaded (16-byte aligned): a kernel that asks for many before
+// it uses any holds them so, in half the registers of their float32s for 16-bit products.
+struct prod8 {
+#if PROD == 0
+    float4 lo, hi;
+#else
+    uint4 w;  // pairs of 16-bit values, lower element first
+#endif
+};
+
+__device__ __forceinline__ prod8 load_prod8(const prod_t *p) {
+    prod8 r;
+#if PROD == 0
+    r.lo = reinterpret_cast<const float4 *>(p)[0];
+    r.hi = reinterpret_cast<const float4 *>(p)[1];
+#else
+    r.w = *reinterpret_cast<const uint4 *>(p);
+#endif
+    return r;
+}
+
+// n 16-bit pairs (lower element first) to 2 n float32s
+template <int N>
+__device__ __forceinline__ void prod_pairs_to_float(const unsigned (&w)[N], float *f) {
+#pragma unroll
+    for (int j = 0; j < N; j++) {
+        f[2 * j] = prod_to_float(reinterpret_cast<const prod_t *>(&w[j])[0]);
+        f[2 * j + 1] = prod_to_float(reinterpret_cast<const prod_t *>(&w[j])[1]);
+    }
+}
+
+__device__ __forceinline__ void prod8_to_float(const prod8 &r, float f[8]) {
+#if PROD == 0
+    f[0] = r.lo.x, f[1] = r.lo.y, f[2] = r.lo.z, f[3] = r.lo.w;
+    f[4] = r.hi.x, f[5] = r.hi.y, f[6] = r.hi.z, f[7] = r.hi.w;
+#else
+    const unsigned w[4] = {r.w.x, r.w.y, r.w.z, r.w.w};
+    prod_pairs_to_float<4>(w, f);
+#endif
+}
+
 // N (1, 4 or 8) consecutive product values (one load: aligned to its size).
 template <int N>
 __device__ __forceinline__ void load_prod(const prod_t *p, float f[N]) {
     static_assert(N == 1 || N == 4 || N == 8, "1, 4 or 8 values");
     if constexpr (N == 1) {
         f[0] = prod_to_float(p[0]);
+    } else if constexpr (N == 8) {
+        prod8_to_float(load_prod8(p), f);
     } else if constexpr (PROD == 0) {
-#pragma unroll
-        for (int h = 0; h < N / 4; h++) {
-            const float4 v = reinterpret_cast<const float4 *>(p)[h];
-            f[4 * h] = v.x, f[4 * h + 1] = v.y, f[4 * h + 2] = v.z, f[4 * h + 3] = v.w;
-        }
+        const float4 v = *reinterpret_cast<const float4 *>(p);
+        f[0] = v.x, f[1] = v.y, f[2] = v.z, f[3] = v.w;
     } else {
-        unsigned w[N / 2];  // pairs of 16-bit values, lower element first
-        if constexpr (N == 8) {
-            const uint4 v = *reinterpret_cast<const uint4 *>(p);
-            w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
-        } else {
-            const uint2 v = *reinterpret_cast<const uint2 *>(p);
-            w[0] = v.x, w[1] = v.y;
-        }
-#pragma unroll
-        for (int j = 0; j < N / 2; j++) {
-            f[2 * j] = prod_to_float(reinterpret_cast<const prod_t *>(&w[j])[0]);
-            f[2 * j + 1] = prod_to_float(reinterpret_cast<const prod_t *>(&w[j])[1]);
-        }
+        const uint2 v = *reinterpret_cast<const uint2 *>(p);
+        const unsigned w[2] = {v.x, v.y};
+        prod_pairs_to_float<2>(w, f);
     }
 }
 

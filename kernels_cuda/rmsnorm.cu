@@ -225,14 +225,13 @@ extern "C" __global__ void __launch_bounds__(ROW_GROUP_BLOCK) add_rms_norm_rows(
     if (row >= rows) return;  // the whole group: its barrier is its own
     res_t *r = residual + row * HIDDEN;
     const prod_t *d = delta + row * HIDDEN;
-    constexpr int DV = PROD == 0 ? 2 : 1;  // 16-byte words of a chunk of the delta
-    uint4 rv[NC], dv[NC][DV];
+    uint4 rv[NC];
+    prod8 dv[NC];
 #pragma unroll
     for (int c = 0; c < NC; c++) {
         const int i = c * RT + t;
         rv[c] = reinterpret_cast<const uint4 *>(r)[i];
-#pragma unroll
-        for (int h = 0; h < DV; h++) dv[c][h] = reinterpret_cast<const uint4 *>(d)[i * DV + h];
+        dv[c] = load_prod8(d + 8 * i);
     }
     const float rsv = ROW_SCALED ? rs[row] : 1.0f;
     float ss = 0.0f;
@@ -241,16 +240,7 @@ extern "C" __global__ void __launch_bounds__(ROW_GROUP_BLOCK) add_rms_norm_rows(
         const int i = c * RT + t;
         float x[8], e[8];
         vec8_to_float(as_vec8(rv[c]), x);
-        if constexpr (PROD == 0) {
-            memcpy(e, &dv[c][0], 32);
-        } else {
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-                const unsigned u = reinterpret_cast<const unsigned *>(&dv[c][0])[j];
-                e[2 * j] = prod_to_float(reinterpret_cast<const prod_t *>(&u)[0]);
-                e[2 * j + 1] = prod_to_float(reinterpret_cast<const prod_t *>(&u)[1]);
-            }
-        }
+        prod8_to_float(dv[c], e);
         if (ROW_SCALED) {
             const float4 f0 = reinterpret_cast<const float4 *>(cs)[2 * i], f1 = reinterpret_cast<const float4 *>(cs)[2 * i + 1];
             const float f[8] = {f0.x, f0.y, f0.z, f0.w, f1.x, f1.y, f1.z, f1.w};

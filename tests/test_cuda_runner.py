@@ -248,6 +248,32 @@ def test_bfloat16_prefill_norms_with_a_thread_group_a_row(tmp_path, quant, monke
     assert between.min() >= (0.999 if quant is None else 0.99)
 
 
+@pytest.mark.parametrize("quant,kv_dtype,dtype", [(None, "auto", "auto"), ("fp8", "fp8", "bfloat16")],
+                         ids=["16bit", "fp8-bfloat16"])
+def test_prefill_rope_in_items_gives_the_same_logits(tmp_path, quant, kv_dtype, dtype, monkeypatch):
+    """rope.rope_kv_write_rows (steps of rope.ROWS_MIN_ROWS tokens or more; here from one token
+    on) in a ragged prefill, then decode steps that read the K/V it wrote: the logits of the
+    one-block-a-token form, bit for bit."""
+    from kernels_cuda import rope
+    path = build_tiny_model(tmp_path, "llama", seed=7, config=dict(
+        hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2))
+    model = load_model(str(path), with_tokenizer=False)
+    r = np.random.default_rng(4)
+    prompts = [r.integers(0, VOCAB, n).tolist() for n in (5, 17, 130)]
+    got = {}
+    for rows_min in (1 << 30, 1):
+        monkeypatch.setattr(rope, "ROWS_MIN_ROWS", rows_min)
+        assert (rope.rows_items(3, 4, 2, 64) > 0) == (rows_min == 1)
+        gpu = cuda_runner(model, max_model_len=REGION, quantization=quant, kv_dtype=kv_dtype, dtype=dtype, eager=True)
+        logits = [gpu.forward(prefill_step(prompts), all_logits=True)]
+        nxt = [int(np.argmax(logits[0][i])) for i in np.cumsum([len(p) for p in prompts]) - 1]
+        logits.append(gpu.forward(decode_step(nxt, [len(p) for p in prompts])))
+        got[rows_min] = logits
+    for a, b in zip(got[1], got[1 << 30]):
+        assert np.isfinite(a).all()
+        np.testing.assert_array_equal(a, b)
+
+
 def test_fp8_products_on_wgmma_in_the_decode_graph(tmp_path, monkeypatch):
     """--quantization fp8 with gemm_fp8.cu made to win every tuning (gemm.TUNE_MIN_GAIN -1): the
     decode buckets' products of a model whose shapes fit it (K a multiple of 128, features of 64)

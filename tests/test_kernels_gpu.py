@@ -392,6 +392,45 @@ def test_rope_kv_write(dtype, head_dim, with_bias, kv8, prod16, wide):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(32, 8, 128), (28, 4, 128), (6, 2, 64)], ids=["items3.5", "items2.5", "items0.4"])
+@pytest.mark.parametrize("kv8", [False, True], ids=["kv16", "kv8"])
+@pytest.mark.parametrize("prod", ["prod32", "prod16", "fp8sums"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_rope_kv_write_rows_gives_the_one_block_bits(dtype, heads, kv8, prod, with_bias):
+    """rope_kv_write_rows (steps of many tokens: 8-value items, all of a thread's loads first)
+    writes the bits of the one-block-a-token form: q, and k / v in the cache, other slots untouched."""
+    from kernels_cuda.rope import ROWS_MIN_ROWS, ROWS_THREADS, rope_kv_write, rows_items
+    H, KVH, D = heads
+    T, width = 37, (H + 2 * KVH) * heads[2]
+    assert rows_items(T, H, KVH, D, rows=True) == -(-((H + KVH) * D // 16 + KVH * D // 8) // ROWS_THREADS)
+    assert rows_items(T, H, KVH, D) == 0 and rows_items(ROWS_MIN_ROWS, H, KVH, D) > 0  # by the step's tokens
+    values = rng.standard_normal((T, width)).astype(np.float32) * (3000 if prod == "fp8sums" else 3)
+    qkv = cp.asarray(values) if prod == "prod32" else to_dev(values, "bfloat16" if prod == "fp8sums" else dtype)
+    scales = None
+    if prod == "fp8sums":
+        scales = (cp.asarray(rng.uniform(0.001, 0.01, T).astype(np.float32)),
+                  cp.asarray(rng.uniform(0.001, 0.01, width).astype(np.float32)))
+    bias = cp.asarray(rng.standard_normal(width).astype(np.float32)) if with_bias else None
+    pos = cp.asarray(rng.integers(0, 40, T).astype(np.int32))
+    ang = np.arange(40)[:, None] / 10000 ** (np.arange(0, D, 2) / D)[None]
+    cos, sin = cp.asarray(np.cos(ang).astype(np.float32)), cp.asarray(np.sin(ang).astype(np.float32))
+    scalar = np.uint16 if dtype == "bfloat16" else np.float16
+    outs = []
+    for rows in (False, True):
+        k_cache = cp.zeros((2, 40 * T, KVH, D), np.uint8 if kv8 else scalar)
+        v_cache = cp.zeros_like(k_cache)
+        starts = cp.arange(T, dtype=cp.int64) * 40 * KVH * D * k_cache.itemsize
+        q = cp.zeros((T, H, D), scalar)
+        rope_kv_write(qkv, pos, cos, sin, k_cache.data.ptr + starts, v_cache.data.ptr + starts,
+                      40 * T * KVH * D, H, KVH, D, q, bias=bias, kv_fp8=kv8, scales=scales, rows=rows)
+        outs.append([cp.asnumpy(a) for a in (q, k_cache, v_cache)])
+    for got, want in zip(outs[1], outs[0]):
+        assert want.any()
+        np.testing.assert_array_equal(got, want)
+    assert not outs[1][1][0].any() and not outs[1][2][0].any()  # layer 0 untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B", [1, 3, 8, 9, 16])
 @pytest.mark.parametrize("K", [264, 112, 4096])
 def test_gemv(dtype, B, K):
