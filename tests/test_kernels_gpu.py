@@ -62,12 +62,12 @@ def to_e4m3(x: np.ndarray) -> np.ndarray:
     return (code | np.where(x < 0, 0x80, 0)).astype(np.uint8)
 
 
-def assert_e4m3_of(codes: np.ndarray, ref: np.ndarray) -> None:
-    """codes hold ref rounded to e4m3: within half a step of 3 mantissa bits (plus the
-    float32 noise of how ref was computed), saturated at 448."""
+def assert_e4m3_of(codes: np.ndarray, ref: np.ndarray, noise: float = 1e-6) -> None:
+    """codes hold ref rounded to e4m3: within half a step of 3 mantissa bits (plus noise, how far
+    ref itself may be from the kernel's unrounded value), saturated at 448."""
     got = E4M3[codes]
     step = np.maximum(np.abs(ref), 2.0 ** -6) * 2.0 ** -3
-    np.testing.assert_array_less(np.abs(got - np.clip(ref, -448, 448)), 0.5 * step + 1e-6)
+    np.testing.assert_array_less(np.abs(got - np.clip(ref, -448, 448)), 0.5 * step + noise)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -1425,9 +1425,11 @@ def test_attn_block(dtype, kv8, shape, window, with_bias):
         rot = np.concatenate([heads[:, :half] * c - heads[:, half:] * s, heads[:, half:] * c + heads[:, :half] * s], 1)
         q = rounded(rot[:H].astype(np.float32), dtype).astype(np.float64)
         k_new, v_new = rot[H:H + KVH], heads[H + KVH:]
-        if kv8:
-            assert_e4m3_of(cache[0, b, pos[b]], k_new.astype(np.float32))
-            assert_e4m3_of(cache[1, b, pos[b]], v_new.astype(np.float32))
+        if kv8:  # the reference rounds its own normed row to 16 bits: where an element rounds the other
+            # way from the kernel's, k / v move by a weight times its 16-bit step (seen: 1.3e-5, |v| <= ~2)
+            noise = (1.6e-3 if dtype == "bfloat16" else 2e-4) * max(np.abs(k_new).max(), np.abs(v_new).max())
+            assert_e4m3_of(cache[0, b, pos[b]], k_new.astype(np.float32), noise)
+            assert_e4m3_of(cache[1, b, pos[b]], v_new.astype(np.float32), noise)
         else:
             np.testing.assert_allclose(stored[0, b, pos[b]], k_new, rtol=2e-2, atol=2e-2 * np.abs(k_new).max())
             np.testing.assert_allclose(stored[1, b, pos[b]], v_new, rtol=2e-2, atol=2e-2 * np.abs(v_new).max())
