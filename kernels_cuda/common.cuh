@@ -508,6 +508,20 @@ typedef float prod_t;
 __device__ __forceinline__ float prod_to_float(prod_t v) { return v; }
 #endif
 
+// N (1 or a multiple of 4) consecutive float32s, in 16-byte loads from N = 4 on (p aligned so)
+template <int N>
+__device__ __forceinline__ void load_f32(const float *p, float f[N]) {
+    if constexpr (N == 1) {
+        f[0] = p[0];
+    } else {
+#pragma unroll
+        for (int h = 0; h < N / 4; h++) {
+            const float4 v = reinterpret_cast<const float4 *>(p)[h];
+            f[4 * h] = v.x, f[4 * h + 1] = v.y, f[4 * h + 2] = v.z, f[4 * h + 3] = v.w;
+        }
+    }
+}
+
 // 8 consecutive product values as loaded (16-byte aligned): a kernel that asks for many before
 // it uses any holds them so, in half the registers of their float32s for 16-bit products.
 struct prod8 {

@@ -242,16 +242,13 @@ extern "C" __global__ void __launch_bounds__(ROW_GROUP_BLOCK) add_rms_norm_rows(
         vec8_to_float(as_vec8(rv[c]), x);
         prod8_to_float(dv[c], e);
         if (ROW_SCALED) {
-            const float4 f0 = reinterpret_cast<const float4 *>(cs)[2 * i], f1 = reinterpret_cast<const float4 *>(cs)[2 * i + 1];
-            const float f[8] = {f0.x, f0.y, f0.z, f0.w, f1.x, f1.y, f1.z, f1.w};
+            float f[8];
+            load_f32<8>(cs + 8 * i, f);
 #pragma unroll
             for (int j = 0; j < 8; j++) e[j] = e[j] * rsv * f[j];
         }
         float b[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-        if (ROW_BIAS) {
-            const float4 b0 = reinterpret_cast<const float4 *>(bias)[2 * i], b1 = reinterpret_cast<const float4 *>(bias)[2 * i + 1];
-            b[0] = b0.x, b[1] = b0.y, b[2] = b0.z, b[3] = b0.w, b[4] = b1.x, b[5] = b1.y, b[6] = b1.z, b[7] = b1.w;
-        }
+        if (ROW_BIAS) load_f32<8>(bias + 8 * i, b);
 #pragma unroll
         for (int j = 0; j < 8; j++) x[j] = x[j] + e[j] + b[j];
         rv[c] = as_uint4(float_to_vec8(x));  // the sum rounded to 16 bits, stored, and normed as stored
@@ -267,8 +264,8 @@ extern "C" __global__ void __launch_bounds__(ROW_GROUP_BLOCK) add_rms_norm_rows(
         const int i = c * RT + t;
         float x[8];
         vec8_to_float(as_vec8(rv[c]), x);
-        const float4 g0 = reinterpret_cast<const float4 *>(w)[2 * i], g1 = reinterpret_cast<const float4 *>(w)[2 * i + 1];
-        const float g[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
+        float g[8];
+        load_f32<8>(w + 8 * i, g);
 #pragma unroll
         for (int j = 0; j < 8; j++) x[j] = x[j] * inv * g[j];
         rv[c] = as_uint4(float_to_vec8(x));  // the output, rounded to 16 bits (the residual is stored already)

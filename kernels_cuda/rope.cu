@@ -40,19 +40,6 @@ __device__ __forceinline__ void store_n(T *dst, const float *f, Convert convert)
     }
 }
 
-template <int N>
-__device__ __forceinline__ void load_f32(const float *p, float f[N]) {
-    if constexpr (N == 1) {
-        f[0] = p[0];
-    } else {
-#pragma unroll
-        for (int h = 0; h < N / 4; h++) {
-            const float4 v = reinterpret_cast<const float4 *>(p)[h];
-            f[4 * h] = v.x, f[4 * h + 1] = v.y, f[4 * h + 2] = v.z, f[4 * h + 3] = v.w;
-        }
-    }
-}
-
 // x (N values of feature n on) dequantized and biased, as both kernels below do it
 template <int N>
 __device__ __forceinline__ void finish_n(float x[N], const float *bias, const float *rs, const float *cs, long long t,
