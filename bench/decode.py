@@ -84,7 +84,7 @@ def run_batch(engine: Engine, batch: int, prompt_len: int, max_tokens: int) -> d
     runner = engine.runner
     if hasattr(runner, "decode_step_bytes"):
         mean_context = prompt_len + max_tokens // 2
-        floor_s = runner.decode_step_bytes(batch * mean_context) / runner.copy_bandwidth
+        floor_s = runner.decode_step_bytes(batch * mean_context, batch) / runner.copy_bandwidth
         result.update(roofline_tok_s=batch / floor_s, roofline_pct=100 * floor_s / step_s,
                       bandwidth_gb_s=runner.copy_bandwidth / 1e9)
     return result

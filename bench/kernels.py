@@ -305,7 +305,6 @@ def decode_table(shape_name: str, batches: list[int], context: int, pdl: bool | 
                           scheduler=SchedulerConfig(max_num_seqs=max(batches), max_model_len=context + 256,
                                                     max_num_batched_tokens=max(2048, max(batches))))
     runner = CudaRunner(config, model, progress=False, pdl=pdl)
-    weight_bytes = runner.decode_step_bytes(0)
     rows = []
     greedy = SamplingParams(temperature=0)
     for B in batches:
@@ -322,10 +321,10 @@ def decode_table(shape_name: str, batches: list[int], context: int, pdl: bool | 
             runner.execute(out)
             step.append((time.perf_counter() - t0) * 1e3)
         t_step = statistics.median(step)
-        kv_bytes = B * context * cfg.kv_bytes_per_token(runner.kv_dtype.itemsize)
+        step_bytes = runner.decode_step_bytes(B * context, B)  # weights + K/V
         rows.append(f"{shape_name} pdl={runner.pdl:d} kv={kv_dtype} w={quantization or '16'} B={B:<4d} "
                     f"ctx={context}: graph {t_graph:7.3f} ms "
-                    f"({(weight_bytes + kv_bytes) / t_graph / 1e6:6.0f} GB/s of weights+KV), runner.execute "
+                    f"({step_bytes / t_graph / 1e6:6.0f} GB/s of weights+KV), runner.execute "
                     f"{t_step:7.3f} ms -> {B / t_step * 1e3:9.1f} tok/s")
     del runner
     cp.get_default_memory_pool().free_all_blocks()

@@ -427,6 +427,36 @@ __device__ __forceinline__ void fp8x16_to_scalar2x8(const uint4 &v, unsigned out
     for (int j = 0; j < 4; j++) fp8x4_to_scalar2x2(w[j], out[2 * j], out[2 * j + 1]);
 }
 
+// 8 int8 codes (GGUF Q8_0, lower k first) times their block's float16 scale d -> 8 values of the
+// 16-bit type, each the exact product rounded once to nearest (as the loader's float32 product is
+// rounded to the model's type). float16: the codes become exact halves (byte ^ 0x80 under a 0x64
+// exponent is 1024 + code + 128) and one f16x2 product a pair rounds; bfloat16: float32 products
+// (exact: 8 x 11 significant bits), then one rounding a value.
+__device__ __forceinline__ uint4 q8x8_to_scalar8(uint2 q, unsigned short d) {
+    const unsigned u[2] = {q.x ^ 0x80808080u, q.y ^ 0x80808080u};  // code + 128 in each byte
+    uint4 out;
+    unsigned *o = &out.x;
+#if USE_BF16
+    const float df = __half2float(__ushort_as_half(d));
+#pragma unroll
+    for (int j = 0; j < 4; j++) {  // bytes 2j, 2j + 1
+        const unsigned w = u[j >> 1], s = (j & 1) * 2;
+        const float lo = __int_as_float(0x4B000000 | __byte_perm(w, 0, 0x4440 + s)) - 8388736.0f;  // 2^23 + 128
+        const float hi = __int_as_float(0x4B000000 | __byte_perm(w, 0, 0x4441 + s)) - 8388736.0f;
+        o[j] = pack2(lo * df, hi * df);
+    }
+#else
+    const __half2 dd = __half2half2(__ushort_as_half(d)), bias = __half2half2(__ushort_as_half(0x6480));  // 1152
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const unsigned h = __byte_perm(u[j >> 1], 0x64646464u, (j & 1) ? 0x4342 : 0x4140);
+        const __half2 v = __hmul2_rn(__hsub2(*reinterpret_cast<const __half2 *>(&h), bias), dd);
+        o[j] = *reinterpret_cast<const unsigned *>(&v);
+    }
+#endif
+    return out;
+}
+
 // A row quantized to e4m3 with one float32 scale: scale = max |x| / 448 (1 for a zero row),
 // q = x / scale, so the row uses e4m3's whole range. quant_inv: the block's max of its
 // threads' m (their largest |x|) -> writes the scale (thread 0), returns 448 / max (1 for a

@@ -46,6 +46,13 @@
 #ifndef PRELOAD  // load the first pass's weights before waiting for the previous kernel (gemv.py)
 #define PRELOAD 0
 #endif
+#ifndef TILE_LOOP  // a grid that fits the GPU at once, its blocks looping over the tiles gridDim.x apart:
+                   // the next tile's weights load while this one's sums are added and stored (same bits)
+#define TILE_LOOP 0
+#endif
+#if TILE_LOOP && (!PRELOAD || STAGED || NORM_IN)
+#error "gemv: TILE_LOOP takes rows that fit the first pass (PRELOAD), not staged, with no folded norm"
+#endif
 #ifndef NORM_IN  // x computed in the block by a residual add + RMSNorm (see NormIn)
 #define NORM_IN 0
 #endif
@@ -64,11 +71,26 @@
 #ifndef W_FP8
 #define W_FP8 0
 #endif
+// -DW_Q8=1 (a GGUF Q8_0 matrix kept as it is, gemv.py's Q8Matrix): W holds int8 codes and
+// wscale a float16 scale for each 32 k-values of a row ((N, K / 32)). As for e4m3 weights, a
+// lane's 16-byte load brings 16 k-values (half a block, so one scale), which become the values
+// the loader dequantizes to (q8x8_to_scalar8) just before their MMAs, in the e4m3 form's order.
+#ifndef W_Q8
+#define W_Q8 0
+#endif
 #if W_FP8
 typedef unsigned char w_t;
+#elif W_Q8
+typedef signed char w_t;
 #else
 typedef scalar_t w_t;
 #endif
+#if W_Q8
+typedef unsigned short wscale_t;  // float16 bits
+#else
+typedef float wscale_t;
+#endif
+
 
 // TILES: 8-feature tiles a block computes. gemv_8 (B <= 8) takes one; gemv_16 (B > 8)
 // takes two, so that each x row it reads from the L2 serves 16 features: at 9-16 rows the
@@ -139,9 +161,35 @@ __device__ __forceinline__ void stage_read(const unsigned char *buf, uint4 wv[TI
     __syncwarp();  // the buffer is free for the warp's next pass
 }
 
+#if W_Q8
+// a lane's 16 codes of group k8 (wrow: the row's codes) and their block's scale (srow: the
+// row's scales), held as loaded until just before their MMAs (so nothing waits for them sooner)
+__device__ __forceinline__ void load_q8(const uint4 *wrow, const wscale_t *srow, int k8, bool ok, uint4 &v,
+                                        unsigned short &d) {
+    v = ok ? __ldcs(wrow + k8) : make_uint4(0, 0, 0, 0);
+    d = ok ? __ldg(srow + (k8 >> 1)) : (unsigned short)0;
+}
+// those 16 codes -> 8 words of two 16-bit values, lower k first (as fp8x16_to_scalar2x8)
+__device__ __forceinline__ void q8x16_to_scalar2x8(const uint4 &v, unsigned short d, unsigned out[8]) {
+    const uint4 lo = q8x8_to_scalar8(make_uint2(v.x, v.y), d), hi = q8x8_to_scalar8(make_uint2(v.z, v.w), d);
+    out[0] = lo.x, out[1] = lo.y, out[2] = lo.z, out[3] = lo.w;
+    out[4] = hi.x, out[5] = hi.y, out[6] = hi.z, out[7] = hi.w;
+}
+#endif
+
 template <int TILES, bool CHECKED>
 __device__ __forceinline__ void load_weights(const uint4 *const wrow[TILES], uint4 wv[TILES][DEPTH / TILES], int warp,
-                                             int s0, int q, int groups) {
+                                             int s0, int q, int groups, const wscale_t *const *srow,
+                                             unsigned short *dv) {
+#if W_Q8  // held as loaded (load_q8)
+#pragma unroll
+    for (int u = 0; u < DEPTH / TILES; u++) {
+        const int k8 = chunk_of(warp, s0 + u) * 4 + q;
+#pragma unroll
+        for (int t = 0; t < TILES; t++)
+            load_q8(wrow[t], srow[t], k8, !CHECKED || k8 < groups, wv[t][u], dv[t * (DEPTH / TILES) + u]);
+    }
+#else
 #pragma unroll
     for (int u = 0; u < DEPTH / TILES; u++) {
         const int k8 = chunk_of(warp, s0 + u) * 4 + q;  // this lane's 16-byte group of weights
@@ -149,15 +197,17 @@ __device__ __forceinline__ void load_weights(const uint4 *const wrow[TILES], uin
 #pragma unroll
         for (int t = 0; t < TILES; t++) wv[t][u] = ok ? __ldcs(wrow[t] + k8) : make_uint4(0, 0, 0, 0);
     }
+#endif
 }
 
 template <bool WIDE, int TILES, bool CHECKED, bool LOADED>
 __device__ __forceinline__ void skinny_pass(const uint4 *const wrow[TILES], const uint4 *xrow, const uint4 *xrow2,
                                             float c[TILES][4], int warp, int s0, int q, int groups,
-                                            uint4 wv[TILES][DEPTH / TILES]) {
+                                            uint4 wv[TILES][DEPTH / TILES], const wscale_t *const *srow,
+                                            unsigned short *dv) {
     constexpr int D = DEPTH / TILES;
     const uint4 zero = make_uint4(0, 0, 0, 0);
-#if W_FP8
+#if W_FP8 || W_Q8  // 16 k-values a lane's load
     uint4 xv[D][2], yv[D][2];
 #pragma unroll
     for (int u = 0; u < D; u++) {
@@ -165,7 +215,12 @@ __device__ __forceinline__ void skinny_pass(const uint4 *const wrow[TILES], cons
         const bool ok = !CHECKED || k8 < groups;
         if (!LOADED)
 #pragma unroll
-            for (int t = 0; t < TILES; t++) wv[t][u] = ok ? __ldcs(wrow[t] + k8) : zero;
+            for (int t = 0; t < TILES; t++)
+#if W_Q8
+                load_q8(wrow[t], srow[t], k8, ok, wv[t][u], dv[t * D + u]);
+#else
+                wv[t][u] = ok ? __ldcs(wrow[t] + k8) : zero;
+#endif
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             xv[u][h] = ok ? X_LOAD(xrow + 2 * k8 + h) : zero;
@@ -180,8 +235,12 @@ __device__ __forceinline__ void skinny_pass(const uint4 *const wrow[TILES], cons
                                 yv[u][1].x, yv[u][1].y, yv[u][1].z, yv[u][1].w};
 #pragma unroll
         for (int t = 0; t < TILES; t++) {
-            unsigned ww[8];  // the 16 e4m3 k-values as 16-bit pairs, lower k first
+            unsigned ww[8];  // the 16 k-values as 16-bit pairs, lower k first
+#if W_Q8
+            q8x16_to_scalar2x8(wv[t][u], dv[t * D + u], ww);
+#else
             fp8x16_to_scalar2x8(wv[t][u], ww);
+#endif
 #pragma unroll
             for (int j = 0; j < 4; j++)
                 mma_16816(c[t], xw[2 * j], yw[2 * j], xw[2 * j + 1], yw[2 * j + 1], ww[2 * j], ww[2 * j + 1]);
@@ -397,18 +456,24 @@ __device__ __forceinline__ void norm_into(const NormIn &n, scalar_t *xs, int B, 
 
 template <bool WIDE, int TILES, class Epilogue>  // WIDE: rows 8..15 of x exist (B > 8)
 __device__ __forceinline__ void skinny(const scalar_t *__restrict__ x, const w_t *__restrict__ w, int B, int N,
-                                       int K, int prefetch, const float *__restrict__ wscale, const NormIn &nin,
+                                       int K, int prefetch, const wscale_t *__restrict__ wscale, const NormIn &nin,
                                        const Epilogue &epi) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, q = lane & 3;  // mma group (row of x / slot of W) and lane in group
+    int bx = blockIdx.x;  // the block's tile (TILE_LOOP: its first; then every gridDim.x-th)
     // Rows past N or B read row 0 instead: an MMA output row depends only on its own
     // input row, and those outputs are never stored.
     const uint4 *wrow[TILES];
+    const wscale_t *srow[TILES];  // W_Q8: the rows' scales (else unused)
+    auto tile_rows = [&](int tile) {
 #pragma unroll
-    for (int t = 0; t < TILES; t++) {
-        const long long n = epi.row(blockIdx.x, 8 * t + g);
-        wrow[t] = reinterpret_cast<const uint4 *>(w + (n < N ? n : 0) * K);
-    }
+        for (int t = 0; t < TILES; t++) {
+            const long long n = epi.row(tile, 8 * t + g);
+            wrow[t] = reinterpret_cast<const uint4 *>(w + (n < N ? n : 0) * K);
+            srow[t] = W_Q8 ? wscale + (n < N ? n : 0) * (K >> 5) : nullptr;
+        }
+    };
+    tile_rows(bx);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     // With PRELOAD, or staged, the first pass (WARPS * DEPTH / TILES chunks of 64 bytes a row:
     // the row's first bytes, unless staged passes hold half blocks) comes in below, so the L2
@@ -423,11 +488,13 @@ __device__ __forceinline__ void skinny(const scalar_t *__restrict__ x, const w_t
                              reinterpret_cast<const char *>(w + pn * K) + skip), "r"(ask) : "memory");
     }
 #endif
-    const int groups = W_FP8 ? K >> 4 : K >> 3;  // 16-byte groups of weights in a row
+    const int groups = W_FP8 || W_Q8 ? K >> 4 : K >> 3;  // 16-byte groups of weights in a row
     const int chunks = (groups + 3) >> 2, whole = groups >> 2;
     constexpr int D = DEPTH / TILES;
     uint4 wv[TILES][D];
+    unsigned short dv[TILES * D];  // W_Q8: the scales of wv's codes (else unused)
 #if STAGED
+    static_assert(!W_Q8, "gemv: the staged form takes 16-bit weights");
     // Each warp streams its passes through STAGES buffers: with two, the copies of pass p + 1
     // are in flight while pass p multiplies; with one, they are asked for once pass p is in
     // registers (see stage_issue).
@@ -453,9 +520,9 @@ __device__ __forceinline__ void skinny(const scalar_t *__restrict__ x, const w_t
     // their fetch overlaps the end of the kernel before this one.
     const bool first_whole = chunk_of(warp, D - 1) < whole;
     if (first_whole)
-        load_weights<TILES, false>(wrow, wv, warp, 0, q, groups);
+        load_weights<TILES, false>(wrow, wv, warp, 0, q, groups, srow, dv);
     else
-        load_weights<TILES, true>(wrow, wv, warp, 0, q, groups);
+        load_weights<TILES, true>(wrow, wv, warp, 0, q, groups, srow, dv);
 #endif
 #endif
     PDL_ENTER();
@@ -468,6 +535,10 @@ __device__ __forceinline__ void skinny(const scalar_t *__restrict__ x, const w_t
 #endif
     const uint4 *xrow = reinterpret_cast<const uint4 *>(x + (long long)(g < B ? g : 0) * K);
     const uint4 *xrow2 = reinterpret_cast<const uint4 *>(x + (long long)(g + 8 < B ? g + 8 : 0) * K);
+#if TILE_LOOP
+    const int tiles = (N + 8 * TILES - 1) / (8 * TILES);  // every epilogue's grid
+    for (;; s0 = 0) {
+#endif
     float c[TILES][4];
 #pragma unroll
     for (int t = 0; t < TILES; t++) c[t][0] = c[t][1] = c[t][2] = c[t][3] = 0.0f;
@@ -487,23 +558,34 @@ __device__ __forceinline__ void skinny(const scalar_t *__restrict__ x, const w_t
         stage_read<TILES>(wstage[warp][b], wv, g, q);
         if (STAGES == 1 && next) issue(s + D, 0);
         if (chunk_of(warp, s + D - 1) < whole)
-            skinny_pass<WIDE, TILES, false, true>(wrow, xrow, xrow2, c, warp, s, q, groups, wv);
+            skinny_pass<WIDE, TILES, false, true>(wrow, xrow, xrow2, c, warp, s, q, groups, wv, srow, dv);
         else
-            skinny_pass<WIDE, TILES, true, true>(wrow, xrow, xrow2, c, warp, s, q, groups, wv);
+            skinny_pass<WIDE, TILES, true, true>(wrow, xrow, xrow2, c, warp, s, q, groups, wv, srow, dv);
     }
     cp_async_wait<0>();  // a warp with no chunk still had pass 0 asked for
 #else
 #if PRELOAD
     if (first_whole)
-        skinny_pass<WIDE, TILES, false, true>(wrow, xrow, xrow2, c, warp, s0, q, groups, wv);
+        skinny_pass<WIDE, TILES, false, true>(wrow, xrow, xrow2, c, warp, s0, q, groups, wv, srow, dv);
     else if (chunk_of(warp, 0) < chunks)
-        skinny_pass<WIDE, TILES, true, true>(wrow, xrow, xrow2, c, warp, s0, q, groups, wv);
+        skinny_pass<WIDE, TILES, true, true>(wrow, xrow, xrow2, c, warp, s0, q, groups, wv, srow, dv);
     s0 += D;
 #endif
     for (; chunk_of(warp, s0 + D - 1) < whole; s0 += D)
-        skinny_pass<WIDE, TILES, false, false>(wrow, xrow, xrow2, c, warp, s0, q, groups, wv);
+        skinny_pass<WIDE, TILES, false, false>(wrow, xrow, xrow2, c, warp, s0, q, groups, wv, srow, dv);
     for (; chunk_of(warp, s0) < chunks; s0 += D)
-        skinny_pass<WIDE, TILES, true, false>(wrow, xrow, xrow2, c, warp, s0, q, groups, wv);
+        skinny_pass<WIDE, TILES, true, false>(wrow, xrow, xrow2, c, warp, s0, q, groups, wv, srow, dv);
+#endif
+#if TILE_LOOP
+    // the next tile's weights come in while this one's sums are added and stored
+    const int next = bx + gridDim.x;
+    if (next < tiles) {
+        tile_rows(next);
+        if (first_whole)
+            load_weights<TILES, false>(wrow, wv, warp, 0, q, groups, srow, dv);
+        else
+            load_weights<TILES, true>(wrow, wv, warp, 0, q, groups, srow, dv);
+    }
 #endif
     // sum the warps in order
     __shared__ float part[WARPS][4 * TILES][32];
@@ -523,25 +605,31 @@ __device__ __forceinline__ void skinny(const scalar_t *__restrict__ x, const w_t
 #if W_FP8
 #pragma unroll
         for (int i = 0; i < 4 * TILES; i++) {  // s[4 t + i] is slot 8 t + 2 q + (i & 1)
-            const long long n = epi.row(blockIdx.x, 8 * (i / 4) + 2 * q + (i & 1));
+            const long long n = epi.row(bx, 8 * (i / 4) + 2 * q + (i & 1));
             s[i] *= wscale[n < N ? n : 0];
         }
 #endif
-        epi.template store<WIDE>(blockIdx.x, g, q, s, B);
+        epi.template store<WIDE>(bx, g, q, s, B);
     }
+#if TILE_LOOP
+    if (next >= tiles) break;
+    bx = next;
+    __syncthreads();  // part: warp 0 has read this tile's
+    }
+#endif
 }
 
 // Kernels: NAME_8 (up to 8 rows, one tile), NAME_8x2 (up to 8 rows, two tiles: e4m3 weights,
 // whose rows are half as long, so a block still streams as many bytes), NAME_16 (9-16 rows,
 // two tiles). Grid (blocks the epilogue asks for), block (32 WARPS); prefetch: bytes of each
 // weight row to bring into the L2 up front (a multiple of 16, at most a row); wscale: the
-// rows' scales with W_FP8 (else unused, may be null); nres .. nres_out: NormIn's fields with
-// NORM_IN (else unused; dynamic shared memory B * K 16-bit values); ndelta_stride, nparts:
-// delta's parts (see NormIn). EPI: the epilogue
+// rows' scales with W_FP8, their chunks' float16 scales with W_Q8 (else unused, may be null);
+// nres .. nres_out: NormIn's fields with NORM_IN (else unused; dynamic shared memory B * K
+// 16-bit values); ndelta_stride, nparts: delta's parts (see NormIn). EPI: the epilogue
 // template, built from the kernel's own parameters (the ones after `nres_out`).
 #define SKINNY_PARAMS                                                                                            \
     const scalar_t *__restrict__ x, const w_t *__restrict__ w, int B, int N, int K, int prefetch,                \
-        const float *__restrict__ wscale, const float *nres, const float *ndelta, const float *nbias,            \
+        const wscale_t *__restrict__ wscale, const float *nres, const float *ndelta, const float *nbias,            \
         const float *nw, float neps, float *nres_out, long long ndelta_stride, int nparts
 #define SKINNY_KERNELS(NAME, EPI, INIT, ...)                                                                     \
     extern "C" __global__ void SKINNY_BOUNDS NAME##_8(SKINNY_PARAMS, __VA_ARGS__) {                                 \

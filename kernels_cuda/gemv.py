@@ -7,10 +7,10 @@ import dataclasses
 import cupy as cp
 import numpy as np
 
-from ._module import (check, check_scalar, f32, i32, i64, launch, module, ptr_or_null, same_scalar, sm_count,
-                      use_bf16)
+from ._module import (blocks_per_sm, check, check_scalar, f32, i32, i64, launch, module, ptr_or_null, same_scalar,
+                      sm_count, use_bf16)
 from . import rmsnorm
-from .quant import Fp8Matrix
+from .quant import Fp8Matrix, Q8Matrix
 from .rope import check_rope_args
 
 # The runner uses this kernel for every step of up to MAX_ROWS rows, so a sequence's logits
@@ -54,6 +54,26 @@ STAGED_MIN_BYTES_ONE_WAVE = 16 << 20
 # blocks then take one wave, where 68 registers left 3 blocks an SM and two waves)
 STAGED_CONFIG = {"STAGED": 1, "WARPS": 8, "DEPTH": 4, "STAGES": 2, "MIN_BLOCKS": 4}
 STAGED_CONFIG_WIDE = {"STAGED": 1, "WARPS": 8, "DEPTH": 8, "STAGES": 1}  # 9-16 rows (two tiles): one buffer of longer passes
+# With TILE_LOOP in a config (rows that fit the first pass, no folded norm, not staged), the grid is
+# the blocks that fit the GPU at once (at most LOOP_MAX_GRID where set: tests), each looping over
+# tiles gridDim apart and loading the next one's weights while it adds and stores this one's sums.
+# The same bits as a block a tile.
+LOOP_MAX_GRID: int | None = None
+# Q8_0 matrices (Q8Matrix, GGUF LM heads) at up to Q8_SHORT_MAX_ROWS rows whose rows fit a first pass
+# of DEPTH 4 take Q8_SHORT_CONFIG, others default_config (DEPTH sets no bit; neither does TILE_LOOP).
+# H200, us a launch (graphs of ten, PDL), 16-bit -> Q8_0 with default_config / Q8_SHORT_CONFIG: SmolLM2's
+# LM head (49,152 x 576) at 1 row 17.1 -> 28.2 / 16.2, in its decode graph 0.3735 -> 0.3846 / 0.3723 ms
+# (2 rows 0.4495 -> 0.4446, 4 rows 0.4437 -> 0.4424); Llama-3-8B's (128,256 x 4,096; past the first
+# pass, default_config) at 1 row 255.4 -> 163.4 (3.4 TB/s), at 8 rows 252.7 -> 240.2.
+Q8_SHORT_MAX_ROWS = 4
+Q8_SHORT_CONFIG = {**CONFIG, "DEPTH": 4, "TILE_LOOP": 1}
+
+
+def q8_config(rows: int, K: int) -> dict:
+    """gemv.cu's shape constants for a Q8Matrix of K columns at `rows` rows."""
+    if rows <= Q8_SHORT_MAX_ROWS and K <= Q8_SHORT_CONFIG["WARPS"] * (Q8_SHORT_CONFIG["DEPTH"] // 2) * 64:
+        return Q8_SHORT_CONFIG
+    return default_config(rows)
 
 
 def staged(n: int, row_bytes: int, fp8: bool) -> bool:
@@ -139,10 +159,16 @@ NO_NORM = (np.uint64(0),) * 4 + (f32(0), np.uint64(0), i64(0), i32(1))
 
 def _weights(x: cp.ndarray, w) -> tuple[cp.ndarray, cp.ndarray | None]:
     """(codes or 16-bit matrix, scales or None) of a weight argument: a 16-bit array of x's
-    type, or an Fp8Matrix (--quantization fp8)."""
+    type, an Fp8Matrix (--quantization fp8) or a Q8Matrix (a GGUF Q8_0 LM head)."""
     if isinstance(w, Fp8Matrix):
         check(w.data, "w.data", np.uint8)
         check(w.scale, "w.scale", np.float32, (w.data.shape[0],))
+        return w.data, w.scale
+    if isinstance(w, Q8Matrix):
+        check(w.data, "w.data", np.int8)
+        if w.data.ndim != 2 or w.data.shape[1] % 32:
+            raise ValueError(f"gemv: a Q8_0 matrix needs K a multiple of 32, got {w.data.shape}")
+        check(w.scale, "w.scale", np.float16, (w.data.shape[0], w.data.shape[1] // 32))
         return w.data, w.scale
     same_scalar(x, w, "x, w")
     check(w, "w", w.dtype)
@@ -162,19 +188,26 @@ def _launch(name: str, x: cp.ndarray, w, extra: tuple, pdl: bool, config: dict |
     N = w.shape[0]
     if not 1 <= B <= MAX_ROWS:
         raise ValueError(f"gemv: {B} rows (1..{MAX_ROWS}); use gemm for more")
+    q8 = w.dtype == np.int8
     group = 16 // w.itemsize  # k-values in a lane's 16-byte weight load
     if K % group:
         raise ValueError(f"gemv: K={K} must be a multiple of {group}")
     check(x, "x", x.dtype)
-    fp8 = scale is not None
+    fp8 = scale is not None and not q8
+    narrow = fp8 or q8  # one-byte codes: the e4m3 form's lanes, tiles and order (a Q8_0 block's scale folded in)
     row_bytes = K * w.itemsize
     # an explicit config (benchmarks, tests) is taken as it is, staged or not (its STAGED key)
-    cfg = config or (staged_config(B) if staged(N, row_bytes, fp8) else default_config(B))
+    if config:
+        cfg = config
+    elif q8:
+        cfg = q8_config(B, K)
+    else:
+        cfg = staged_config(B) if staged(N, row_bytes, fp8) else default_config(B)
     in_stages = bool(cfg.get("STAGED"))
-    if in_stages and fp8:
+    if in_stages and narrow:
         raise ValueError("gemv: the staged form takes 16-bit weights")
     prefetch = min(row_bytes, PREFETCH_BUDGET // N) // 16 * 16  # the first bytes of every row
-    n_tiles = tiles(B, fp8, row_bytes, N, cfg)
+    n_tiles = tiles(B, narrow, row_bytes, N, cfg)
     suffix = "16" if B > 8 else "8x2" if n_tiles == 2 else "8"
     pre = int(preload(row_bytes, cfg, n_tiles) and not in_stages)
     if norm is not None:
@@ -182,9 +215,13 @@ def _launch(name: str, x: cp.ndarray, w, extra: tuple, pdl: bool, config: dict |
         if x.nbytes > room:
             raise ValueError(f"gemv: a folded norm keeps the rows in shared memory, {x.nbytes} bytes > {room >> 10} KB")
         defines.update(NORM_IN=1, NORM_THREADS=rmsnorm.THREADS)
-    kernel = module("gemv", USE_BF16=use_bf16(x), W_FP8=int(fp8), PRELOAD=pre, **cfg,
+    if cfg.get("TILE_LOOP") and (not pre or norm is not None):
+        raise ValueError("gemv: TILE_LOOP takes rows that fit the first pass and no folded norm")
+    kernel = module("gemv", USE_BF16=use_bf16(x), W_FP8=int(fp8), W_Q8=int(q8), PRELOAD=pre, **cfg,
                     **defines).get_function(f"{name}_{suffix}")
     grid = -(-N // (8 * n_tiles))
+    if cfg.get("TILE_LOOP"):
+        grid = min(grid, LOOP_MAX_GRID or blocks_per_sm(kernel, 32 * cfg["WARPS"], 0) * sm_count())
     launch(kernel, (grid,), (32 * cfg["WARPS"],), (x, w, i32(B), i32(N), i32(K), i32(prefetch), ptr_or_null(scale),
                                                    *(NO_NORM if norm is None else norm.args(B, K)), *extra),
            shared_mem=0 if norm is None else x.nbytes, pdl=pdl)
@@ -193,8 +230,8 @@ def _launch(name: str, x: cp.ndarray, w, extra: tuple, pdl: bool, config: dict |
 def gemv(x: cp.ndarray, w, out: cp.ndarray | None = None, pdl: bool = False,
          config: dict | None = None, norm: NormIn | None = None) -> cp.ndarray:
     """out (B, N) float32 = x (B, K) @ w (N, K)^T; B <= 16, K a multiple of 8, 16-bit operands
-    (or w an Fp8Matrix, K a multiple of 16). norm: x's rows are made from it (NormIn; x
-    gives their shape and type and is neither read nor written). config: gemv.cu's shape
+    (or w an Fp8Matrix, K a multiple of 16, or a Q8Matrix, K a multiple of 32). norm: x's rows
+    are made from it (NormIn; x gives their shape and type and is neither read nor written). config: gemv.cu's shape
     constants (staged with a STAGED key), instead of the ones chosen for the matrix and B.
 
     Each output element is computed the same way whatever B is (batch invariance).

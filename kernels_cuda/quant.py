@@ -12,11 +12,11 @@ from ._module import check, i32, launch, module, row_group_fits, row_group_grid,
 
 
 @dataclass
-class Fp8Matrix:
-    """A weight matrix W (N, K) as e4m3 codes and a scale per row: W ~ data * scale[:, None]."""
+class CodesMatrix:
+    """A weight matrix (N, K) held as one-byte codes (data) and their scales (scale)."""
 
-    data: cp.ndarray  # (N, K) uint8, e4m3 codes
-    scale: cp.ndarray  # (N,) float32
+    data: cp.ndarray
+    scale: cp.ndarray
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -25,6 +25,19 @@ class Fp8Matrix:
     @property
     def nbytes(self) -> int:
         return self.data.nbytes + self.scale.nbytes
+
+
+@dataclass
+class Fp8Matrix(CodesMatrix):
+    """A weight matrix W (N, K) as e4m3 codes (data: (N, K) uint8) and a scale per row (scale:
+    (N,) float32): W ~ data * scale[:, None]."""
+
+
+@dataclass
+class Q8Matrix(CodesMatrix):
+    """A GGUF Q8_0 weight matrix W (N, K) kept as it is: int8 codes (data: (N, K) int8) and a
+    float16 scale for each 32 values of a row (scale: (N, K / 32) float16), W = data * scale
+    repeated 32 times along K (gemv.cu's W_Q8)."""
 
 
 # Steps of GROUP_MIN_ROWS rows or more take quantize_rows_group (quant.cu): GROUP_THREADS threads a

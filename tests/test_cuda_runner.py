@@ -613,6 +613,39 @@ def test_graph_replay_equals_eager_bit_for_bit(smollm2):
         np.testing.assert_array_equal(cp.asnumpy(graphed.buffers.logits[:5]), cp.asnumpy(eager.buffers.logits[:5]))
 
 
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
+def test_q8_0_lm_head_stays_with_its_16_bit_form(smollm2, dtype, monkeypatch):
+    """SmolLM2's GGUF stores its (tied) embedding as Q8_0. Where kept as it is (cuda_runner.Q8_LM_HEAD;
+    by default only from Q8_LM_HEAD_MIN_HIDDEN on, which SmolLM2's 576 is not: lowered here), products
+    of up to GEMV_MAX_ROWS rows read it, 53 % of the 16-bit form's bytes. Its values are the 16-bit
+    form's and only the order of the float32 sums differs, so the logits of a prompt's last rows
+    (eager) and of decode steps (the graphs) stay within float32 rounding of the 16-bit form's, in the
+    file's float16 and in bfloat16. The roofline counts the bytes such steps read."""
+    import engine.runner.cuda_runner as cr
+    assert cuda_runner(smollm2, max_num_seqs=8, eager=True).lm_head_q8 is None  # hidden 576: 16-bit
+    monkeypatch.setattr(cr, "Q8_LM_HEAD_MIN_HIDDEN", 0)
+    got = {}
+    for on in (True, False):
+        monkeypatch.setattr(cr, "Q8_LM_HEAD", on)
+        gpu = cuda_runner(smollm2, max_num_seqs=8, dtype=dtype)
+        assert (gpu.lm_head_q8 is not None) == on and gpu.graphs
+        if on:
+            q8, w16 = gpu.lm_head_q8.nbytes, gpu.weights.lm_head.nbytes
+            assert q8 == w16 // 2 * 34 // 32
+            assert gpu.decode_step_bytes(0, 16) - gpu.decode_step_bytes(0, 17) == q8 - w16
+        logits = [gpu.forward(prefill_step([list(range(5, 40)), list(range(60, 71))]))]
+        gpu.execute(SchedulerOutput([ScheduledSeq(i, list(range(5, 15)), 0, i * 64, True,
+                                                  SamplingParams(temperature=0)) for i in range(5)]))
+        for step in range(3):
+            gpu.execute(_decode_rows(gpu, 5, step))
+            logits.append(cp.asnumpy(gpu.buffers.logits[:5]))
+        got[on] = logits
+    for a, b in zip(got[True], got[False]):
+        assert np.isfinite(a).all() and a.any()
+        np.testing.assert_allclose(a, b, rtol=0, atol=2e-5 * np.abs(b).max())
+        assert (a.argmax(-1) == b.argmax(-1)).all()
+
+
 def test_only_the_captured_graphs_launch_with_pdl(smollm2, monkeypatch):
     """Programmatic dependent launch goes through cuLaunchKernelEx (ctypes, ~22 us of host
     time a kernel, against ~5 through CuPy): the decode graphs are captured with it, and a

@@ -120,6 +120,33 @@ def test_q8_0_gguf_is_close_to_transformers(tmp_path, tiny_models):
     assert (ours.argmax(1) == ref.argmax(1)).mean() >= 0.9
 
 
+def test_gguf_tensors_as_stored(tmp_path, tiny_models):
+    """Weights.stored gives a GGUF tensor's type and file bytes where its rows are the model's
+    (the CUDA runner keeps a Q8_0 LM head so): split into codes and scales they make the values
+    the loader reads; Q and K of the llama arch (rows reordered on read) and safetensors have none."""
+    from engine.loader.quants import q8_0_split
+    hf = load_model(str(tiny_models["llama"]), with_tokenizer=False)
+    path = tmp_path / "q8.gguf"
+    write_gguf(path, tiny_models["llama"], "llama", hf.config, GGMLQuantizationType.Q8_0)
+    w = load_model(str(path), with_tokenizer=False).weights
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.1.self_attn.v_proj.weight"):
+        kind, raw = w.stored(name)
+        assert kind == "Q8_0"
+        codes, scales = q8_0_split(raw, w.shape(name))
+        assert codes.dtype == np.int8 and scales.dtype == np.float16 and scales.shape[1] * 32 == codes.shape[1]
+        values = codes.astype(np.float32) * np.repeat(scales.astype(np.float32), 32, axis=1)
+        np.testing.assert_array_equal(values, w[name])
+        assert np.abs(codes).max() > 100  # a real quantization, not zeros
+    assert w.stored("model.layers.0.self_attn.q_proj.weight") is None
+    assert w.stored("model.layers.0.self_attn.k_proj.weight") is None
+    assert w.stored("model.norm.weight")[0] == "F32"
+    assert hf.weights.stored("model.embed_tokens.weight") is None
+    with pytest.raises(ValueError, match="multiple of 32"):
+        q8_0_split(np.zeros(34, np.uint8), (2, 16))
+    with pytest.raises(ValueError, match="bytes"):
+        q8_0_split(np.zeros(33, np.uint8), (1, 32))
+
+
 def test_gguf_tokenizer_and_template(tmp_path, tiny_models):
     hf = load_model(str(tiny_models["llama"]), with_tokenizer=False)
     path = tmp_path / "tok.gguf"

@@ -773,6 +773,92 @@ def test_gemv_fp8_rows_do_not_depend_on_the_batch():
         np.testing.assert_array_equal(cp.asnumpy(gemv(x[b:b + 1], w))[0], together[b])
 
 
+def random_q8_0(N: int, K: int, r: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A Q8_0 matrix: int8 codes (the whole range), float16 scales a block of 32 (some zero, some so
+    small that code x scale is a float16 subnormal, some subnormal themselves), and its values as
+    the loader makes them (float32 products, exact)."""
+    codes = r.integers(-128, 128, (N, K), dtype=np.int8)
+    scales = (r.uniform(0.5, 2.0, (N, K // 32)) * 10.0 ** r.integers(-3, 0, (N, K // 32))).astype(np.float16)
+    pick = r.random(scales.shape)
+    scales[pick < 0.05] = 0
+    scales[(pick >= 0.05) & (pick < 0.1)] = np.float16(3e-7)  # a subnormal scale
+    scales[(pick >= 0.1) & (pick < 0.15)] = np.float16(2e-6)  # codes x scale below float16's normals
+    values = codes.astype(np.float32) * np.repeat(scales.astype(np.float32), 32, axis=1)
+    return codes, scales, values
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemv_q8_0_values_are_the_loaders(dtype):
+    """Each Q8_0 code times its block's scale becomes the 16-bit value the loader makes (the
+    float32 product rounded once to the model's type): with one-hot rows of x every output is
+    one such value, exactly (zero, subnormal and tiny scales included)."""
+    from kernels_cuda.gemv import gemv
+    from kernels_cuda.quant import Q8Matrix
+    r = np.random.default_rng(13)
+    N, K = 40, 96
+    codes, scales, values = random_q8_0(N, K, r)
+    w8 = Q8Matrix(cp.asarray(codes), cp.asarray(scales))
+    for k0 in range(0, K, 16):
+        onehot = np.zeros((16, K), np.float32)
+        onehot[np.arange(16), k0 + np.arange(16)] = 1
+        got = cp.asnumpy(gemv(to_dev(onehot, dtype), w8))
+        np.testing.assert_array_equal(got, rounded(values[:, k0:k0 + 16], dtype).T)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,K", [(111, 576), (6144, 576), (77, 4128), (40, 96)])
+def test_gemv_q8_0(dtype, N, K):
+    """A GGUF Q8_0 matrix read as it is (a Q8Matrix, gemv.cu's W_Q8) against float64 over the
+    values the loader makes, on rows of one pass (preloaded), several passes and a partial last
+    pass; the same bits for a row whatever the batch (1-16 rows)."""
+    from kernels_cuda.gemv import gemv
+    from kernels_cuda.quant import Q8Matrix
+    r = np.random.default_rng(11)
+    codes, scales, values = random_q8_0(N, K, r)
+    w8 = Q8Matrix(cp.asarray(codes), cp.asarray(scales))
+    x = to_dev(r.standard_normal((16, K)).astype(np.float32), dtype)
+    together = cp.asnumpy(gemv(x, w8))
+    for B in (1, 3, 8, 9):
+        np.testing.assert_array_equal(cp.asnumpy(gemv(x[:B], w8)), together[:B])
+    np.testing.assert_array_equal(cp.asnumpy(gemv(x[12:13], w8))[0], together[12])
+    ref = from_dev(x).astype(np.float64) @ rounded(values, dtype).T.astype(np.float64)
+    assert np.isfinite(together).all() and together.any()
+    np.testing.assert_allclose(together, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max() * np.sqrt(K / 576))
+
+
+@pytest.mark.parametrize("q8", [False, True], ids=["w16", "q8_0"])
+def test_gemv_tile_loop_gives_the_bits_of_a_block_a_tile(q8, monkeypatch):
+    """TILE_LOOP: blocks looping over tiles (here 7 blocks, gemv.LOOP_MAX_GRID), each loading the
+    next tile's weights before it stores this one's sums: the bits of a block a tile, with one and
+    two tiles a block and a partial last tile; refused where a row does not fit the first pass."""
+    import kernels_cuda.gemv as gv
+    from kernels_cuda.quant import Q8Matrix
+    r = np.random.default_rng(12)
+    codes, scales, values = random_q8_0(1000, 576, r)
+    w = Q8Matrix(cp.asarray(codes), cp.asarray(scales)) if q8 else to_dev(values, "float16")
+    x = to_dev(r.standard_normal((16, 576)).astype(np.float32), "float16")
+    monkeypatch.setattr(gv, "LOOP_MAX_GRID", 7)
+    for B in (1, 4, 5, 8):
+        config = gv.default_config(B)
+        want = cp.asnumpy(gv.gemv(x[:B], w, config=config))
+        got = cp.asnumpy(gv.gemv(x[:B], w, config={**config, "TILE_LOOP": 1}))
+        assert np.isfinite(want).all() and want.any()
+        np.testing.assert_array_equal(got, want)
+    if not q8:  # 9 rows of 16-bit weights: two tiles of 2 chunks a warp, past the row
+        with pytest.raises(ValueError, match="TILE_LOOP"):
+            gv.gemv(x[:9], w, config={**gv.default_config(9), "TILE_LOOP": 1})
+
+
+def test_gemv_q8_0_checks_its_matrix():
+    from kernels_cuda.gemv import gemv
+    from kernels_cuda.quant import Q8Matrix
+    x = cp.zeros((1, 64), np.float16)
+    with pytest.raises(ValueError, match="w.scale"):
+        gemv(x, Q8Matrix(cp.zeros((8, 64), np.int8), cp.zeros((8, 1), np.float16)))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        gemv(cp.zeros((1, 48), np.float16), Q8Matrix(cp.zeros((8, 48), np.int8), cp.zeros((8, 1), np.float16)))
+
+
 @pytest.mark.parametrize("M", [17, 64, 300])
 def test_gemm_fp8(M):
     """cuBLASLt's e4m3 product: the float32 sums over the codes' values, which with the scales

@@ -229,13 +229,18 @@ def load_gguf(path: str, with_tokenizer: bool = True) -> tuple[ModelConfig, Weig
             return _unpermute_rows(w, heads) if unpermute else w
         return read
 
-    readers, shapes = {}, {}
+    def stored(info: TensorInfo):
+        return lambda: (info.type_name, gf.raw(info))
+
+    readers, shapes, raw = {}, {}, {}
     for gguf_name, info in gf.tensors.items():
         name = hf_name(gguf_name)
         if name is not None:
             readers[name] = reader(gguf_name, name)
             shapes[name] = info.shape
-    weights = Weights(readers, shapes)
+            if not (permute and (".q_proj." in name or ".k_proj." in name)):  # rows as in the file
+                raw[name] = stored(info)
+    weights = Weights(readers, shapes, raw)
     check_complete(weights, layer_weight_names(
         config.num_layers, qkv_bias=config.qkv_bias, o_proj_bias=config.o_proj_bias,
         tied=config.tie_word_embeddings), path)

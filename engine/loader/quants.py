@@ -66,6 +66,20 @@ def dequant_q8_0(b: np.ndarray) -> np.ndarray:
     return b[:, 2:34].view(np.int8).astype(np.float32) * d
 
 
+def q8_0_split(raw: np.ndarray, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """GGUF Q8_0 bytes of an (N, K) matrix -> its (N, K) int8 codes and (N, K / 32) float16
+    scales, so that dequantize(raw, "Q8_0", shape) == codes * scales repeated 32 times along K."""
+    N, K = shape
+    if K % 32:
+        raise ValueError(f"Q8_0 matrix {shape}: K must be a multiple of 32")
+    blocks = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    if blocks.size != N * K // 32 * 34:
+        raise ValueError(f"Q8_0 matrix {shape}: {blocks.size} bytes, expected {N * K // 32 * 34}")
+    blocks = blocks.reshape(N * K // 32, 34)
+    scales = np.ascontiguousarray(blocks[:, :2]).view("<f2").astype(np.float16).reshape(N, K // 32)
+    return np.ascontiguousarray(blocks[:, 2:]).view(np.int8).reshape(N, K), scales
+
+
 def _k4_scales_mins(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Unpack the 12-byte, 6-bit scales/mins of Q4_K and Q5_K -> two (n, 8) arrays.
 

@@ -16,9 +16,11 @@ class Weights(Mapping[str, np.ndarray]):
     access reads again; callers keep what they need.
     """
 
-    def __init__(self, readers: dict[str, Callable[[], np.ndarray]], shapes: dict[str, tuple[int, ...]]):
+    def __init__(self, readers: dict[str, Callable[[], np.ndarray]], shapes: dict[str, tuple[int, ...]],
+                 stored: dict[str, Callable[[], tuple[str, np.ndarray]]] | None = None):
         self._readers = readers
         self._shapes = shapes
+        self._stored = stored or {}
 
     def __getitem__(self, name: str) -> np.ndarray:
         try:
@@ -35,6 +37,13 @@ class Weights(Mapping[str, np.ndarray]):
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._shapes[name]
+
+    def stored(self, name: str) -> tuple[str, np.ndarray] | None:
+        """(GGML type name, raw bytes) of a tensor whose file bytes are its values as they are
+        (a GGUF tensor in its row order), e.g. to keep a Q8_0 matrix quantized on the device;
+        None where the source has no such form."""
+        reader = self._stored.get(name)
+        return reader() if reader is not None else None
 
 
 def layer_weight_names(num_layers: int, *, qkv_bias: bool, o_proj_bias: bool, tied: bool) -> list[str]:

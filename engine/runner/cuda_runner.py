@@ -44,13 +44,14 @@ from kernels_cuda.gemm import (gemm, gemm_fp8, gemm_fp8_scaled, rows_bucket, tun
                                wgmma_supported)
 from kernels_cuda.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from kernels_cuda.gemv import NormIn, gemv, gemv_rope, gemv_silu
-from kernels_cuda.quant import Fp8Matrix, quantize_matrix, quantize_rows
+from kernels_cuda.quant import Fp8Matrix, Q8Matrix, quantize_matrix, quantize_rows
 from kernels_cuda.rmsnorm import add_rms_norm, rms_norm
 from kernels_cuda.rope import rope_kv_write
 from kernels_cuda.sampling import sample_tokens, token_logprobs
 
 from ..config import EngineConfig, ModelConfig
 from ..loader import LoadedModel
+from ..loader.quants import q8_0_split
 from ..loader.random_model import WEIGHT_STD, RandomWeights
 from ..loader.weights import Weights
 from ..outputs import RunnerOutput, ScheduledSeq, SchedulerOutput, TokenLogprobs
@@ -116,6 +117,22 @@ FUSE_ATTN_O = False
 # and the attention and QKV stages around it grow by ~0.9 us each. It must serve every step of
 # up to 16 rows or none (batch invariance), so it stays off until it wins at one row.
 FUSE_MLP = False
+
+# A GGUF checkpoint's LM head stored as Q8_0 (the tied embedding, or `output`) is also kept on the
+# device as it is (a Q8Matrix: int8 codes and a float16 scale a block of 32, 1.06 bytes a value),
+# and products of up to GEMV_MAX_ROWS rows read that (gemv.cu's W_Q8): each code times its scale
+# becomes the value the loader makes, and only the order of the float32 sums differs from the
+# 16-bit form's (the same order at every such step: batch invariance). Steps of more rows and the
+# embedding read the 16-bit form. Only for a hidden size of Q8_LM_HEAD_MIN_HIDDEN or more, where
+# the product is bound by its bytes. H200, random weights, Llama-3-8B's shape (hidden 4,096): the LM
+# head alone at 1 / 2 / 4 / 8 / 16 rows 250 / 251 / 252 / 251 / 266 -> 161 / 163 / 166 / 238 / 262
+# us, the decode graph at 512 keys, 1 / 2 / 4 rows 4.045 / 4.055 / 4.210 -> 3.955 / 3.966 / 4.122 ms
+# (-2.2 %). SmolLM2 (hidden 576; its blocks' latency, not their bytes, sets the time), the real GGUF
+# in bench/decode.py, 16-bit -> Q8_0: 1 row 2,617.8-2,620.1 -> 2,629.6-2,629.9 tok/s, 2 rows
+# 4,545.6-4,561.0 -> 4,513.3-4,532.0, 4 rows 8,878.1-8,942.5 -> 8,771.1-8,802.1: no gain, so it keeps
+# the 16-bit form. False: the 16-bit form everywhere.
+Q8_LM_HEAD = True
+Q8_LM_HEAD_MIN_HIDDEN = 2048
 
 # bfloat16 models carry the residual stream in bfloat16 (not float32) in steps of more than
 # GEMV_MAX_ROWS rows, as the model itself (and vLLM, and HF transformers) add it: add + RMSNorm
@@ -475,6 +492,8 @@ class CudaRunner:
                 break
         self.max_splits = max(plan.splits for plan in self.splits.values())
 
+        # the LM head as stored in a GGUF file where that is Q8_0 (Q8_LM_HEAD; see _lm_head)
+        self.lm_head_q8: Q8Matrix | None = None
         with self.stream:
             given = isinstance(weights, ModelWeights)
             if given:
@@ -485,6 +504,8 @@ class CudaRunner:
                 self.weights = pack_model(weights, cfg, np.float32, progress=progress,
                                           matrix=_upload_matrix(self.dtype_name))
                 self._norms_and_biases_to_device()
+                if Q8_LM_HEAD:
+                    self.lm_head_q8 = self._stored_q8_lm_head(weights)
             if self.quant_fp8:
                 self._quantize_layers(in_place=not given)
                 cp.get_default_memory_pool().free_all_blocks()
@@ -519,7 +540,9 @@ class CudaRunner:
         self.last_roofline_fraction: float | None = None  # of the last decode step timed, for /metrics
         self._decode_steps = 0  # submitted: every ROOFLINE_EVERY-th is timed
         log.info("CUDA runner: %s weights%s, decode buffers %.1f MiB, KV pool %d slots (%.2f GiB, %s), graphs for %s",
-                 self.dtype_name, " (layers fp8 e4m3)" if self.quant_fp8 else "", self.buffers.memory_bytes() / 2**20,
+                 self.dtype_name, (" (layers fp8 e4m3)" if self.quant_fp8 else "")
+                 + (" (LM head also Q8_0 for steps of <= %d rows)" % GEMV_MAX_ROWS if self.lm_head_q8 else ""),
+                 self.buffers.memory_bytes() / 2**20,
                  self.num_kv_slots, self.kv_pool_bytes / 2**30, "fp8 e4m3" if self.kv_fp8 else self.dtype_name,
                  sorted(self.graphs) or "none (eager)")
         if self.ragged_graphs:
@@ -694,12 +717,35 @@ class CudaRunner:
             mats += [layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj]
         return sum(m.nbytes for m in mats)
 
-    def decode_step_bytes(self, kv_tokens: int) -> int:
-        """Bytes a decode step must read at least: every weight once (the LM head included;
-        the embedding rows are negligible) and the K/V of `kv_tokens` cached tokens."""
+    def decode_step_bytes(self, kv_tokens: int, rows: int = 1) -> int:
+        """Bytes a decode step of `rows` rows must read at least: every weight once (the LM head
+        included, in the form such a step reads: see _lm_head; the embedding rows are negligible)
+        and the K/V of `kv_tokens` cached tokens."""
         w = self.weights
         embed = 0 if w.lm_head is w.embed_tokens else w.embed_tokens.nbytes
-        return self.weight_bytes - embed + kv_tokens * self.config.kv_bytes_per_token(self.kv_dtype.itemsize)
+        head = self._lm_head(rows)
+        return (self.weight_bytes - embed - w.lm_head.nbytes + head.nbytes
+                + kv_tokens * self.config.kv_bytes_per_token(self.kv_dtype.itemsize))
+
+    def _stored_q8_lm_head(self, weights) -> Q8Matrix | None:
+        """The checkpoint's LM head as a Q8Matrix on the device where its file stores it as
+        Q8_0 and the model is wide enough (Q8_LM_HEAD, Q8_LM_HEAD_MIN_HIDDEN), else None."""
+        cfg = self.config
+        name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        if cfg.hidden_size < Q8_LM_HEAD_MIN_HIDDEN or cfg.hidden_size % 32:
+            return None
+        stored = weights.stored(name) if isinstance(weights, Weights) else None
+        if stored is None or stored[0] != "Q8_0":
+            return None
+        codes, scales = q8_0_split(stored[1], (cfg.vocab_size, cfg.hidden_size))
+        return Q8Matrix(cp.asarray(codes), cp.asarray(scales))
+
+    def _lm_head(self, n: int):
+        """The LM head that a product of n rows reads: the stored Q8_0 form up to GEMV_MAX_ROWS
+        rows where kept (lm_head_q8), else the 16-bit form. One form for every such step, so a
+        sequence's logits do not depend on what else is in it (batch invariance)."""
+        q8 = self.lm_head_q8
+        return q8 if q8 is not None and n <= GEMV_MAX_ROWS else self.weights.lm_head
 
     # ------------------------------------------------------------------ the model
 
@@ -971,7 +1017,7 @@ class CudaRunner:
         # blocks, each of which would norm the row again (H200, SmolLM2 B=1 graph 0.404 -> 0.400 ms)
         add_rms_norm(residual, delta, w.norm, cfg.rms_norm_eps, out=b.final_norm_out[:n],
                      pdl=self._launch_pdl, scales=down_scales)
-        self._linear(b.final_norm_out[:n], w.lm_head, b.logits[:n])
+        self._linear(b.final_norm_out[:n], self._lm_head(n), b.logits[:n])
         self._sample(n)
 
     def _tune_products(self) -> None:
@@ -1340,7 +1386,7 @@ class CudaRunner:
             result = self._collect(rows, list(range(B)), want_lp, slot)  # waits for this step only
             seconds = cp.cuda.get_elapsed_time(start, end) * 1e-3 if timed else 0.0
             if seconds > 0:
-                self.last_roofline_fraction = self.decode_step_bytes(kv_tokens) / (seconds * self.copy_bandwidth)
+                self.last_roofline_fraction = self.decode_step_bytes(kv_tokens, B) / (seconds * self.copy_bandwidth)
             return result
         return finish
 
@@ -1379,7 +1425,7 @@ class CudaRunner:
         """A step through the ragged path: its tokens, sequences and tiles staged in one copy
         (DecodeBuffers.ragged), the sampling parameters of its sampling rows in another, both
         ahead of its layers."""
-        cfg, b, w = self.config, self.buffers, self.weights
+        cfg, b = self.config, self.buffers
         T, S = sum(r.num_tokens for r in rows), len(rows)
         if T > self.max_tokens:
             raise ValueError(f"step of {T} tokens exceeds the runner's {self.max_tokens}")
@@ -1474,7 +1520,7 @@ class CudaRunner:
                 self.stream.synchronize()
                 return lambda: result
             self._sample_rows(b.norm_out[:T], b.ragged.dev["last_tok"][:n], n)
-            self._linear(b.final_norm_out[:n], w.lm_head, b.logits[:n])
+            self._linear(b.final_norm_out[:n], self._lm_head(n), b.logits[:n])
             self._sample(n)
             self._download(slot, n, want_lp)
 
@@ -1497,7 +1543,7 @@ class CudaRunner:
             for p0 in range(0, len(wanted), self.rows):
                 idx = wanted[p0:p0 + self.rows]
                 self._sample_rows(b.norm_out[:T], idx, len(idx))
-                self._linear(b.final_norm_out[:len(idx)], self.weights.lm_head, b.logits[:len(idx)])
+                self._linear(b.final_norm_out[:len(idx)], self._lm_head(len(idx)), b.logits[:len(idx)])
                 logits[p0:p0 + len(idx)] = cp.asnumpy(b.logits[:len(idx)], stream=self.stream)
             self.stream.synchronize()
         return logits
@@ -1515,7 +1561,7 @@ class CudaRunner:
             n = p1 - p0
             src = cp.arange(first_token + p0 - 1 - row.start_pos, first_token + p1 - 1 - row.start_pos)
             self._sample_rows(b.norm_out, src, n)
-            self._linear(b.final_norm_out[:n], self.weights.lm_head, b.logits[:n])
+            self._linear(b.final_norm_out[:n], self._lm_head(n), b.logits[:n])
             targets = cp.asarray(np.array(prompt[p0:p1], np.int32))
             lp_n = cp.full(n, top_n, np.int32)
             token_logprobs(b.logits[:n], lp_n, targets, b.lp_value, b.lp_rank, b.lp_top_ids, b.lp_top_values, rows=n)
