@@ -124,13 +124,14 @@ FUSE_MLP = False
 # becomes the value the loader makes, and only the order of the float32 sums differs from the
 # 16-bit form's (the same order at every such step: batch invariance). Steps of more rows and the
 # embedding read the 16-bit form. Only for a hidden size of Q8_LM_HEAD_MIN_HIDDEN or more, where
-# the product is bound by its bytes. H200, random weights, Llama-3-8B's shape (hidden 4,096): the LM
-# head alone at 1 / 2 / 4 / 8 / 16 rows 250 / 251 / 252 / 251 / 266 -> 161 / 163 / 166 / 238 / 262
-# us, the decode graph at 512 keys, 1 / 2 / 4 rows 4.045 / 4.055 / 4.210 -> 3.955 / 3.966 / 4.122 ms
-# (-2.2 %). SmolLM2 (hidden 576; its blocks' latency, not their bytes, sets the time), the real GGUF
-# in bench/decode.py, 16-bit -> Q8_0: 1 row 2,617.8-2,620.1 -> 2,629.6-2,629.9 tok/s, 2 rows
-# 4,545.6-4,561.0 -> 4,513.3-4,532.0, 4 rows 8,878.1-8,942.5 -> 8,771.1-8,802.1: no gain, so it keeps
-# the 16-bit form. False: the 16-bit form everywhere.
+# the product is bound by its bytes. H200, random weights, decode graphs at 512 keys, 1 / 2 / 4
+# rows: Llama-3-8B's shape (hidden 4,096; its LM head alone at one row 250 -> 161 us) 4.045 /
+# 4.054 / 4.210 -> 3.955 / 3.966 / 4.122 ms (-2.1 to -2.2 %); Llama-3.2-1B's (hidden 2,048; 126 ->
+# 82 us) 0.942 / 0.953 / 0.951 -> 0.897 / 0.911 / 0.908 ms (-4.4 to -4.8 %). SmolLM2 (hidden 576: its
+# blocks' latency, not their bytes, sets the time), the real GGUF in bench/decode.py, 16-bit ->
+# Q8_0, tok/s: 1 row 2,617.8-2,620.1 -> 2,629.6-2,629.9, 2 rows 4,545.6-4,561.0 -> 4,513.3-4,532.0,
+# 4 rows 8,878.1-8,942.5 -> 8,771.1-8,802.1: no gain, so it keeps the 16-bit form. False: the
+# 16-bit form everywhere.
 Q8_LM_HEAD = True
 Q8_LM_HEAD_MIN_HIDDEN = 2048
 
