@@ -231,8 +231,9 @@ def gemv(x: cp.ndarray, w, out: cp.ndarray | None = None, pdl: bool = False,
          config: dict | None = None, norm: NormIn | None = None) -> cp.ndarray:
     """out (B, N) float32 = x (B, K) @ w (N, K)^T; B <= 16, K a multiple of 8, 16-bit operands
     (or w an Fp8Matrix, K a multiple of 16, or a Q8Matrix, K a multiple of 32). norm: x's rows
-    are made from it (NormIn; x gives their shape and type and is neither read nor written). config: gemv.cu's shape
-    constants (staged with a STAGED key), instead of the ones chosen for the matrix and B.
+    are made from it (NormIn; x gives their shape and type and is neither read nor written).
+    config: gemv.cu's shape constants (staged with a STAGED key), instead of the ones chosen for
+    the matrix and B.
 
     Each output element is computed the same way whatever B is (batch invariance).
     """

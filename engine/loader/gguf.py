@@ -220,9 +220,12 @@ def load_gguf(path: str, with_tokenizer: bool = True) -> tuple[ModelConfig, Weig
     config = _model_config(gf)
     permute = config.architecture == "llama"  # llama.cpp permutes Q/K for its llama arch only
 
+    def reordered(name: str) -> bool:  # rows read in another order than the file's
+        return permute and (".q_proj." in name or ".k_proj." in name)
+
     def reader(gguf_name: str, name: str):
         heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
-        unpermute = permute and (".q_proj." in name or ".k_proj." in name)
+        unpermute = reordered(name)
 
         def read() -> np.ndarray:
             w = gf.read(gguf_name)
@@ -238,7 +241,7 @@ def load_gguf(path: str, with_tokenizer: bool = True) -> tuple[ModelConfig, Weig
         if name is not None:
             readers[name] = reader(gguf_name, name)
             shapes[name] = info.shape
-            if not (permute and (".q_proj." in name or ".k_proj." in name)):  # rows as in the file
+            if not reordered(name):
                 raw[name] = stored(info)
     weights = Weights(readers, shapes, raw)
     check_complete(weights, layer_weight_names(
