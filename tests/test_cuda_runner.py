@@ -342,6 +342,62 @@ def test_prompt_attention_on_wgmma_gives_the_same_logits(tmp_path, kv_dtype, dty
         np.testing.assert_array_equal(on, off)
 
 
+@pytest.mark.parametrize("name,kv_dtype,quant,dtype", [
+    ("llama_hd64", "auto", None, "auto"), ("llama_hd64", "fp8", "fp8", "bfloat16"), ("qwen2", "auto", None, "bfloat16"),
+    ("mistral", "auto", None, "auto")])
+@pytest.mark.parametrize("eager", [False, True])
+def test_ragged_steps_run_their_last_layer_for_the_sampling_rows_only(tmp_path, name, kv_dtype, quant, dtype, eager,
+                                                                      monkeypatch):
+    """A ragged step of more than 16 tokens runs its last layer past the K/V write for the rows
+    that sample only (sampled_tail, on by default): 20 decode rows beside a prompt that samples
+    and a chunk that does not (21 rows: the cuBLAS path), a lone prompt (1 row: the skinny GEMM,
+    from a bfloat16 stream into a float32 one), 3 decode rows beside two prompts (5 rows). Their
+    logits stay as close to the whole last layer's as products of another row count allow
+    (fp8: its activations quantized at 21 rows, not at 1-5), and the K/V the step leaves is the
+    same: the decode step after it gives the same logits, bit for bit. Graphed and eager."""
+    from engine.runner.cuda_runner import CudaRunner
+    model = load_model(str(build_tiny_model(tmp_path, name, seed=5)), with_tokenizer=False)
+    gpu = cuda_runner(model, max_model_len=REGION, max_num_seqs=32, kv_dtype=kv_dtype, quantization=quant,
+                      dtype=dtype, eager=eager)
+    assert gpu.sampled_tail and bool(gpu.ragged_graphs) != eager
+    tails = []
+    tail = CudaRunner._sampled_tail
+    monkeypatch.setattr(CudaRunner, "_sampled_tail", lambda self, *a: tails.append(a[2]) or tail(self, *a))
+    greedy = SamplingParams(temperature=0)
+    r = np.random.default_rng(11)
+
+    def tokens(n: int) -> list[int]:
+        return r.integers(0, VOCAB, n).tolist()
+
+    def row(seq: int, ids: list[int], start: int, sample: bool = True) -> ScheduledSeq:
+        return ScheduledSeq(seq, ids, start, seq * REGION, sample, greedy if sample else None)
+
+    gpu.forward(prefill_step([tokens(3) for _ in range(20)]))
+    steps = [[*(row(s, [5 + s], 3) for s in range(20)), row(20, tokens(90), 0), row(21, tokens(40), 0, False)],
+             [row(22, tokens(200), 0)],
+             [*(row(s, [9], 3) for s in range(3)), row(23, tokens(30), 0), row(24, tokens(7), 0)]]
+    for step in steps:
+        sampling = [x for x in step if x.sample]
+        after = decode_step([3] * len(sampling), [x.kv_len for x in sampling])
+        for x, y in zip(after.seqs, sampling):
+            x.seq_id, x.kv_start, x.sampling = y.seq_id, y.kv_start, greedy
+        got, next_logits = {}, {}
+        for on in (False, True):  # each run writes the same K/V rows again
+            gpu.sampled_tail = on
+            sampled = gpu.execute(SchedulerOutput(step)).sampled
+            got[on] = cp.asnumpy(gpu.buffers.logits[:len(sampling)])
+            assert [sampled[x.seq_id] for x in sampling] == list(got[on].argmax(1))
+            gpu.execute(after)
+            next_logits[on] = cp.asnumpy(gpu.buffers.logits[:len(sampling)])
+        assert tails[-1] == len(sampling) and len(tails) == steps.index(step) + 1
+        np.testing.assert_array_equal(next_logits[True], next_logits[False])
+        cos = cosines(got[True], got[False])
+        assert cos.min() >= (0.998 if quant else 0.9999), cos
+        rows = np.arange(len(sampling))
+        gap = got[False].max(1) - got[False][rows, got[True].argmax(1)]
+        assert (gap <= (2e-2 if quant else 1e-3) * np.abs(got[False]).max(1)).all(), gap
+
+
 @pytest.mark.parametrize("kv_dtype,quant", [("auto", None), ("fp8", "fp8")])
 def test_warm_up_leaves_serving_steps_nothing_to_build(tmp_path, kv_dtype, quant, monkeypatch):
     """Building the runner runs its ragged path at each power of two of tokens up to the step

@@ -118,6 +118,12 @@ FUSE_ATTN_O = False
 # up to 16 rows or none (batch invariance), so it stays off until it wins at one row.
 FUSE_MLP = False
 
+# Ragged (prefill and mixed) steps run the last layer past its K/V write for the rows that sample
+# only (CudaRunner._sampled_tail): a prompt token's last-layer output feeds nothing unless the
+# token samples (or its prompt's logprobs are asked for). False: every token through the last
+# layer, as before.
+SAMPLED_TAIL = True
+
 # A GGUF checkpoint's LM head stored as Q8_0 (the tied embedding, or `output`) is also kept on the
 # device as it is (a Q8Matrix: int8 codes and a float16 scale a block of 32, 1.06 bytes a value),
 # and products of up to GEMV_MAX_ROWS rows read that (gemv.cu's W_Q8): each code times its scale
@@ -296,15 +302,16 @@ class StagedInputs:
 
 RAGGED_TOKENS = {"tok_ids": np.int32, "tok_pos": np.int32, "tok_src": np.int32, "tok_k": np.int64, "tok_v": np.int64}
 RAGGED_SEQS = {"q_start": np.int32, "q_len": np.int32, "kv_len": np.int32, "seq_k": np.int64, "seq_v": np.int64,
-               "last_tok": np.int64}
+               "last_tok": np.int64, "last_len": np.int32, "last_k": np.int64, "last_v": np.int64}
 RAGGED_TILES = {"tile_seq": np.int32, "tile_q0": np.int32}
 
 
 def ragged_fields(tokens: int) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
     """The inputs of a ragged step of up to `tokens` tokens (so as many sequences at most):
     per token its id, position, where its id is in `sampled` (_token_sources) and its K/V
-    slot pointers; per sequence where its queries start, how many, its keys, its K/V
-    pointers and its last token's row; the prompts' tiles for flash_prefill (one per 64
+    slot pointers; per sequence where its queries start, how many, its keys and its K/V
+    pointers; per sequence that samples its last token's row, its keys and K/V pointers
+    (CudaRunner._sampled_tail); the prompts' tiles for flash_prefill (one per 64
     queries: at most tokens / 64 + one a sequence)."""
     tiles_max = tokens + tokens // PREFILL_TILE + 1
     return {**{name: (dt, (tokens,)) for name, dt in {**RAGGED_TOKENS, **RAGGED_SEQS}.items()},
@@ -363,6 +370,12 @@ class DecodeBuffers:
     mlp_act: cp.ndarray  # (A, inter) 16-bit
     down_out: cp.ndarray  # (A, hidden) f32; its bytes also seen as 16-bit rows (products["down"])
     final_norm_out: cp.ndarray  # (R, hidden) 16-bit
+    # a ragged step's rows that sample, gathered for its last layer (CudaRunner._sampled_tail):
+    # their residual stream (R, hidden) f32, the same bytes as 16-bit rows (res_last16, as
+    # res16), and their rotated q (R, heads, head_dim) 16-bit
+    res_last: cp.ndarray
+    res_last16: cp.ndarray | None
+    q_last: cp.ndarray
     logits: cp.ndarray  # (R, vocab) f32
     sample_work: cp.ndarray  # (R, vocab) f32 processed logits of rows with penalties / bias
     part_o: cp.ndarray  # flat f32 flash-decode partial outputs, (rows, heads, splits, head_dim) per bucket
@@ -392,9 +405,9 @@ class DecodeBuffers:
     products: dict[str, tuple[cp.ndarray, cp.ndarray]] = dataclasses.field(default_factory=dict)
 
     def memory_bytes(self) -> int:
-        owned = [self.final_norm_out, self.logits, self.sample_work, self.part_o, self.part_ml, self.sampled,
-                 self.lp_value, self.lp_rank, self.lp_top_ids, self.lp_top_values, self.pen_counts,
-                 self.pen_prompt_mask]
+        owned = [self.final_norm_out, self.res_last, self.q_last, self.logits, self.sample_work, self.part_o,
+                 self.part_ml, self.sampled, self.lp_value, self.lp_rank, self.lp_top_ids, self.lp_top_values,
+                 self.pen_counts, self.pen_prompt_mask]
         shared = [self.embed_out, self.norm_out, self.qkv_out, self.q_rot, self.attn_out, self.o_proj_out,
                   self.gate_up_out, self.mlp_act, self.down_out]
         shared += [a for a in (self.act_q, self.act_scale, self.res_alt, self.o_parts, self.down_parts)
@@ -435,6 +448,9 @@ class CudaRunner:
         # stream beside the decode rows' (_submit_varlen's attention; H200, 8B fp8 weights + K/V,
         # 252 decodes at 576 keys + 4 prompts of 448: the step 35.32 -> 34.87 ms; same bits)
         self.overlap_attention = True
+        # ragged steps run their last layer past its attention for the rows that sample only
+        # (_sampled_tail): SAMPLED_TAIL by default
+        self.sampled_tail = SAMPLED_TAIL
         self._side_stream = cp.cuda.Stream(non_blocking=True)
         self._side_events = (cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True))
         # recorded by every step before the attention of its layer near_end_layer (the last
@@ -542,7 +558,7 @@ class CudaRunner:
         self._decode_steps = 0  # submitted: every ROOFLINE_EVERY-th is timed
         log.info("CUDA runner: %s weights%s, decode buffers %.1f MiB, KV pool %d slots (%.2f GiB, %s), graphs for %s",
                  self.dtype_name, (" (layers fp8 e4m3)" if self.quant_fp8 else "")
-                 + (" (LM head also Q8_0 for steps of <= %d rows)" % GEMV_MAX_ROWS if self.lm_head_q8 else ""),
+                 + (f" (LM head also Q8_0 for steps of <= {GEMV_MAX_ROWS} rows)" if self.lm_head_q8 else ""),
                  self.buffers.memory_bytes() / 2**20,
                  self.num_kv_slots, self.kv_pool_bytes / 2**30, "fp8 e4m3" if self.kv_fp8 else self.dtype_name,
                  sorted(self.graphs) or "none (eager)")
@@ -640,6 +656,10 @@ class CudaRunner:
         o_out, down_out = (views(cp.zeros(A * cfg.hidden_size * 4, np.uint8), cfg.hidden_size, delta_wide)
                            for _ in range(2))
         embed_out = cp.zeros((A, cfg.hidden_size), np.float32)
+        res_last = cp.zeros((R, cfg.hidden_size), np.float32)
+
+        def as_16(f32: cp.ndarray) -> cp.ndarray | None:  # the first half of f32's bytes as 16-bit rows
+            return f32.view(s).reshape(-1)[:f32.size].reshape(f32.shape) if self.residual_16 else None
         return DecodeBuffers(
             products={"qkv": views(qkv_out, qkv_width), "gate_up": views(gate_up_out, gate_up_width),
                       "o": o_out, "down": down_out},
@@ -653,8 +673,7 @@ class CudaRunner:
             inputs=StagedInputs({name: (dtype, (R, *inner)) for name, (dtype, inner) in fields.items()}),
             ragged=StagedInputs(ragged_fields(A)),
             embed_out=embed_out,
-            res16=embed_out.view(s).reshape(-1)[:A * cfg.hidden_size].reshape(A, cfg.hidden_size)
-            if self.residual_16 else None,
+            res16=as_16(embed_out),
             norm_out=cp.zeros((A, cfg.hidden_size), s),
             qkv_out=qkv_out,
             q_rot=cp.zeros((A, H, D), s),
@@ -664,6 +683,9 @@ class CudaRunner:
             mlp_act=cp.zeros((A, cfg.intermediate_size), s),
             down_out=down_out[0],
             final_norm_out=cp.zeros((R, cfg.hidden_size), s),
+            res_last=res_last,
+            res_last16=as_16(res_last),
+            q_last=cp.zeros((R, H, D), s),
             logits=cp.zeros((R, V), np.float32),
             sample_work=cp.zeros((R, V), np.float32),
             part_o=cp.zeros(parts * D, np.float32),
@@ -794,10 +816,12 @@ class CudaRunner:
         (RESIDUAL_16, bfloat16 models)."""
         return RESIDUAL_16 and self.scalar == np.uint16
 
-    def _residual(self, n: int) -> cp.ndarray:
-        """The residual stream of an n-row step: embed_out, or its bytes as 16-bit rows (res16)."""
+    def _residual(self, n: int, sampled: bool = False) -> cp.ndarray:
+        """The residual stream of an n-row step: embed_out, or its bytes as 16-bit rows (res16);
+        sampled: of the n rows a ragged step's last layer takes on (res_last, res_last16)."""
         b = self.buffers
-        return b.res16[:n] if b.res16 is not None and n > GEMV_MAX_ROWS else b.embed_out[:n]
+        f32, r16 = (b.res_last, b.res_last16) if sampled else (b.embed_out, b.res16)
+        return r16[:n] if r16 is not None and n > GEMV_MAX_ROWS else f32[:n]
 
     def _quant_in(self, n: int, width: int) -> tuple | None:
         """Steps whose products run on float8 codes (--quantization fp8, more than
@@ -857,8 +881,8 @@ class CudaRunner:
             self._down_blocks = [mlp_block_module.down_blocks(layer.down_proj) for layer in self.weights.layers]
         return self._down_blocks[i]
 
-    def _layers(self, n: int, rope: tuple, attention, kv_lens: cp.ndarray | None = None
-                ) -> tuple[tuple | None, cp.ndarray, cp.ndarray]:
+    def _layers(self, n: int, rope: tuple, attention, kv_lens: cp.ndarray | None = None, front_of_last: bool = False
+                ) -> tuple[tuple | None, cp.ndarray, cp.ndarray | None]:
         """The decoder layers over the first n rows of the activation buffers; the
         residual stream ends un-added (the last down projection is added by the caller,
         with the scales returned: see _linear). rope: (positions, k_ptrs, v_ptrs) of the n
@@ -869,34 +893,29 @@ class CudaRunner:
         the normed rows and SiLU * up go to them as codes only (_quant_in). Returns (those
         scales, the residual stream's buffer: embed_out, or res_alt where _fold_norms or
         _mlp_block left it there, and the last down product to add to it: down_out, or
-        down_parts where _mlp_block)."""
+        down_parts where _mlp_block). front_of_last: stop where the last layer's attention
+        would run (its q rotated, its K/V written), returning (None, the residual stream, None):
+        _sampled_tail takes it on from there for the rows that sample."""
         cfg, b, w = self.config, self.buffers, self.weights
         eps = cfg.rms_norm_eps
         fused, fold = self._fused(n), self._fold_norms(n)
         positions, k_ptrs, v_ptrs = rope
         down_scales = None
-        normed_q, act_q = self._quant_in(n, cfg.hidden_size), self._quant_in(n, cfg.intermediate_size)
+        normed_q = self._quant_in(n, cfg.hidden_size)
         # the residual stream's buffers: [the one holding it, the other]; a folded norm with a
         # delta reads the first and writes the sum to the second, which then holds the stream
         block = kv_lens is not None and self._attn_block(n)
         attn_o = kv_lens is not None and self._attn_o(n)
-        mlp = self._mlp_block(n)
-        res = [self._residual(n), b.res_alt[:n] if fold or block or mlp else None]
+        res = [self._residual(n), b.res_alt[:n] if fold or block or self._mlp_block(n) else None]
         last_down = None  # the last down product, not yet added to the residual stream
-
-        def folded(delta: cp.ndarray | None, weight: cp.ndarray, bias: cp.ndarray | None = None) -> NormIn:
-            norm = NormIn(res[0], weight, eps, delta, bias, res[1] if delta is not None else None)
-            if delta is not None:
-                res.reverse()
-            return norm
 
         for i, layer in enumerate(w.layers):
             if block:
-                self._layer_block(n, i, layer, res, folded, rope, kv_lens, fold)
+                self._layer_block(n, i, layer, res, rope, kv_lens, fold)
                 continue
             norm = None
             if fold:
-                norm = folded(last_down, layer.input_layernorm)
+                norm = self._folded(res, last_down, layer.input_layernorm)
             elif i == 0:
                 rms_norm(res[0], layer.input_layernorm, eps, out=b.norm_out[:n], pdl=self._launch_pdl,
                          quant=normed_q, codes_only=True)
@@ -913,59 +932,85 @@ class CudaRunner:
                 scales = self._linear(b.norm_out[:n], layer.qkv_proj, qkv, xq=normed_q, name="qkv")
                 rope_kv_write(qkv, *rope_in, cfg.head_dim, b.q_rot[:n], bias=layer.qkv_bias, pdl=self._launch_pdl,
                               kv_fp8=self.kv_fp8, scales=scales)
+            if front_of_last and i == len(w.layers) - 1:
+                return None, res[0], None
+            o = None
             if attn_o:
-                o_out, scales = b.o_parts[:, :n], None
+                o = b.o_parts[:, :n], None
                 attn_o_module.attn_o(b.q_rot[:n], layer.o_proj, k_ptrs, v_ptrs, kv_lens, offset, cfg.num_kv_heads,
-                                     b.attn_out[:n], o_out, cfg.softmax_scale, cfg.sliding_window or 0,
+                                     b.attn_out[:n], o[0], cfg.softmax_scale, cfg.sliding_window or 0,
                                      pdl=self._launch_pdl, kv_fp8=self.kv_fp8)
             else:
                 attention(offset)
-                attn = b.attn_out[:n].reshape(n, cfg.q_size)
-                if mlp:
-                    last_down = b.down_parts[:, :n]
-                    mlp_block_module.mlp_block(res[0], attn, layer.o_proj, layer.o_bias,
-                                               layer.post_attention_layernorm, eps, res[1], layer.gate_up_proj,
-                                               self._mlp_down(i), last_down, pdl=self._launch_pdl)
-                    res.reverse()
-                    continue
-                o_out = self._product("o", n)
-                scales = self._linear(attn, layer.o_proj, o_out,
-                                      pdl=self._launch_pdl and attn.nbytes <= O_PROJ_PDL_MAX_INPUT, name="o")
-            norm = None
-            if fold:
-                norm = folded(o_out, layer.post_attention_layernorm, layer.o_bias)
-            else:
-                add_rms_norm(res[0], o_out, layer.post_attention_layernorm, eps,
-                             out=b.norm_out[:n], bias=layer.o_bias, pdl=self._launch_pdl, scales=scales,
-                             quant=normed_q, codes_only=True)
-            if fused:
-                gemv_silu(b.norm_out[:n], layer.gate_up_proj, b.mlp_act[:n], pdl=self._launch_pdl, norm=norm)
-            else:
-                gate_up = self._product("gate_up", n)
-                scales = self._linear(b.norm_out[:n], layer.gate_up_proj, gate_up, xq=normed_q, name="gate_up")
-                silu_mul(gate_up, out=b.mlp_act[:n], pdl=self._launch_pdl, scales=scales, quant=act_q,
-                         codes_only=True)
-            last_down = self._product("down", n)
-            down_scales = self._linear(b.mlp_act[:n], layer.down_proj, last_down, xq=act_q, name="down")
+            down_scales, last_down = self._layer_back(n, i, res, o)
         return down_scales, res[0], b.down_out[:n] if block else last_down
 
-    def _layer_block(self, n: int, i: int, layer, res: list, folded, rope: tuple, kv_lens: cp.ndarray,
+    def _folded(self, res: list, delta: cp.ndarray | None, weight: cp.ndarray, bias: cp.ndarray | None = None
+                ) -> NormIn:
+        """The norm a product folds in (_fold_norms) over the residual stream's two buffers res:
+        with a delta it reads res[0] and writes the sum to res[1], which then holds the stream
+        (res is swapped)."""
+        norm = NormIn(res[0], weight, self.config.rms_norm_eps, delta, bias, res[1] if delta is not None else None)
+        if delta is not None:
+            res.reverse()
+        return norm
+
+    def _layer_back(self, n: int, i: int, res: list, o: tuple | None = None) -> tuple[tuple | None, cp.ndarray]:
+        """Layer i from its attention's output (attn_out) on, for n rows: o (or o given as
+        (product, scales), where the attention made it), the residual add and post-attention
+        norm, gate/up, SiLU * up and down (or _mlp_block's kernel for all of it). res: the
+        residual stream's buffers, as _layers keeps them. Returns the down product's scales
+        (see _linear) and the down product, not yet added to the stream."""
+        cfg, b, layer = self.config, self.buffers, self.weights.layers[i]
+        pdl = self._launch_pdl
+        if o is None:
+            attn = b.attn_out[:n].reshape(n, cfg.q_size)
+            if self._mlp_block(n):
+                down = b.down_parts[:, :n]
+                mlp_block_module.mlp_block(res[0], attn, layer.o_proj, layer.o_bias, layer.post_attention_layernorm,
+                                           cfg.rms_norm_eps, res[1], layer.gate_up_proj,
+                                           self._mlp_down(i), down, pdl=pdl)
+                res.reverse()
+                return None, down
+            o_out = self._product("o", n)
+            scales = self._linear(attn, layer.o_proj, o_out, pdl=pdl and attn.nbytes <= O_PROJ_PDL_MAX_INPUT, name="o")
+        else:
+            o_out, scales = o
+        norm = None
+        if self._fold_norms(n):
+            norm = self._folded(res, o_out, layer.post_attention_layernorm, layer.o_bias)
+        else:
+            add_rms_norm(res[0], o_out, layer.post_attention_layernorm, cfg.rms_norm_eps, out=b.norm_out[:n],
+                         bias=layer.o_bias, pdl=pdl, scales=scales, quant=self._quant_in(n, cfg.hidden_size),
+                         codes_only=True)
+        act_q = self._quant_in(n, cfg.intermediate_size)
+        if self._fused(n):
+            gemv_silu(b.norm_out[:n], layer.gate_up_proj, b.mlp_act[:n], pdl=pdl, norm=norm)
+        else:
+            gate_up = self._product("gate_up", n)
+            scales = self._linear(b.norm_out[:n], layer.gate_up_proj, gate_up, xq=self._quant_in(n, cfg.hidden_size),
+                                  name="gate_up")
+            silu_mul(gate_up, out=b.mlp_act[:n], pdl=pdl, scales=scales, quant=act_q, codes_only=True)
+        down = self._product("down", n)
+        return self._linear(b.mlp_act[:n], layer.down_proj, down, xq=act_q, name="down"), down
+
+    def _layer_block(self, n: int, i: int, layer, res: list, rope: tuple, kv_lens: cp.ndarray,
                      fold: bool) -> None:
         """Layer i of _layers with its attention block in one kernel (_attn_block): that
         kernel (norming res[0] + the last down product), the post-attention norm adding its
-        o parts (folded into gate/up where fold), gate/up + SiLU, down. res, folded: _layers'
-        residual stream's two buffers and the NormIn maker that swaps them."""
+        o parts (folded into gate/up where fold), gate/up + SiLU, down. res: _layers'
+        residual stream's two buffers (_folded swaps them)."""
         cfg, b = self.config, self.buffers
         pdl = self._launch_pdl
         parts = b.o_parts[:, :n]
         attn_block_module.attn_block(
-            folded(None if i == 0 else b.down_out[:n], layer.input_layernorm), layer.qkv_proj, layer.qkv_bias,
-            layer.o_proj, rope[0], self.rope_cos, self.rope_sin, rope[1], rope[2], kv_lens, i * self._layer_elems,
-            cfg.num_heads, cfg.num_kv_heads, parts, cfg.softmax_scale, cfg.sliding_window or 0, pdl=pdl,
-            kv_fp8=self.kv_fp8)
+            self._folded(res, None if i == 0 else b.down_out[:n], layer.input_layernorm), layer.qkv_proj,
+            layer.qkv_bias, layer.o_proj, rope[0], self.rope_cos, self.rope_sin, rope[1], rope[2], kv_lens,
+            i * self._layer_elems, cfg.num_heads, cfg.num_kv_heads, parts, cfg.softmax_scale, cfg.sliding_window or 0,
+            pdl=pdl, kv_fp8=self.kv_fp8)
         norm = None
         if fold:
-            norm = folded(parts, layer.post_attention_layernorm, layer.o_bias)
+            norm = self._folded(res, parts, layer.post_attention_layernorm, layer.o_bias)
         else:
             add_rms_norm(res[0], parts, layer.post_attention_layernorm, cfg.rms_norm_eps, out=b.norm_out[:n],
                          bias=layer.o_bias, pdl=pdl)
@@ -1137,16 +1182,65 @@ class CudaRunner:
         g["tok_k"][start:end] = self._spare_k
         g["tok_v"][start:end] = self._spare_v
 
-    def _ragged_body(self, n: int, attention) -> None:
+    def _ragged_body(self, n: int, attention, sampled: int = 0) -> None:
         """A ragged step's n tokens from the staged inputs to the final norm (norm_out): the
-        embedding, the layers (attention(offset) for each layer's attention), the final norm."""
+        embedding, the layers (attention(offset) for each layer's attention), the final norm.
+        sampled: where nonzero, the last layer from its attention on takes only the rows that
+        sample, this many (_sampled_tail: final_norm_out)."""
         cfg, b, w = self.config, self.buffers, self.weights
         d = b.ragged.dev
         embedding(d["tok_ids"][:n], w.embed_tokens, self._residual(n), pdl=self._launch_pdl, src=d["tok_src"][:n],
                   sampled=b.sampled)
-        down_scales, residual, delta = self._layers(n, (d["tok_pos"][:n], d["tok_k"][:n], d["tok_v"][:n]), attention)
+        down_scales, residual, delta = self._layers(n, (d["tok_pos"][:n], d["tok_k"][:n], d["tok_v"][:n]), attention,
+                                                    front_of_last=sampled > 0)
+        if sampled:
+            self._sampled_tail(residual, n, sampled)
+            return
         add_rms_norm(residual, delta, w.norm, cfg.rms_norm_eps, out=b.norm_out[:n], scales=down_scales,
                      pdl=self._launch_pdl)
+
+    def _takes_sampled_tail(self, rows: list[ScheduledSeq], T: int, n: int) -> bool:
+        """Whether a ragged step of these rows (T tokens, n of the rows sample) runs its last
+        layer past the attention for the sampling rows only (_sampled_tail): where some tokens
+        sample nothing (prompt tokens but a prompt's last), no row wants its prompt's logprobs
+        (those read every token's final hidden state), and the step is one of the cuBLAS
+        path's (more than GEMV_MAX_ROWS tokens)."""
+        return (self.sampled_tail and GEMV_MAX_ROWS < T and 0 < n < T and n <= self.rows
+                and not any(r.want_prompt_logprobs for r in rows))
+
+    def _sampled_tail(self, residual: cp.ndarray, T: int, n: int) -> None:
+        """The last layer of a ragged step of T tokens, from where _layers(front_of_last)
+        stopped (every token's K/V written, q rotated), for the n rows that sample only: their
+        residual rows (of `residual`) and q gathered (last_tok), their attention as one-token
+        rows over every key of their sequence (split-KV decoding: last_len, last_k, last_v),
+        then o .. down and the final norm into final_norm_out[:n], which the LM head reads. The
+        other tokens' last-layer outputs would feed nothing: the K/V they leave is written
+        before. For the 8B shape that is 1/32 of a prompt token's products and attention."""
+        cfg, b = self.config, self.buffers
+        d = b.ragged.dev
+        last = cfg.num_layers - 1
+        alt = b.res_alt[:n] if self._fold_norms(n) or self._mlp_block(n) else None
+        res = [self._gather_sampled(residual, T, n), alt]
+        offset = last * self._layer_elems
+        self._mark_near_end(offset)
+        self._decode_attention(n, b.q_last[:n], d["last_k"][:n], d["last_v"][:n], d["last_len"][:n], offset)
+        down_scales, delta = self._layer_back(n, last, res)
+        add_rms_norm(res[0], delta, self.weights.norm, cfg.rms_norm_eps, out=b.final_norm_out[:n], scales=down_scales,
+                     pdl=self._launch_pdl)
+
+    def _gather_sampled(self, residual: cp.ndarray, T: int, n: int) -> cp.ndarray:
+        """The residual rows (of `residual`, T rows) and rotated q of a ragged step's n rows that
+        sample (their last tokens: last_tok) into res_last / q_last. Returns the rows' residual
+        stream: 16-bit or float32 as _residual has it for n rows."""
+        b = self.buffers
+        rows = b.ragged.dev["last_tok"][:n]
+        res = self._residual(n, sampled=True)
+        if residual.dtype == res.dtype:
+            cp.take(residual, rows, axis=0, out=res)
+        else:  # bfloat16 rows (their bits as uint16) into the float32 stream of a few rows
+            res[...] = (cp.take(residual, rows, axis=0).astype(np.uint32) << 16).view(np.float32)
+        cp.take(b.q_rot[:T], rows, axis=0, out=b.q_last[:n])
+        return res
 
     def _ragged_graph_tokens(self, T: int) -> int | None:
         """The token count whose graphs a ragged step of T tokens replays, or None (eager)."""
@@ -1186,7 +1280,7 @@ class CudaRunner:
         """What the warm-up's steps leave unbuilt, built with launches that do no work: the
         decode attention of a mixed step's decode rows at each count of them (its launch bounds
         follow the row count, not the bucket's: the ends of each bucket's range), and CuPy's
-        gather of sampled rows (_sample_rows). H200,
+        gathers of sampled rows (_sample_rows, _gather_sampled). H200,
         8B fp8 at 128 rows, first run after start on a cold kernel cache: a mixed step took
         388 ms and the step where the first requests finished 221-275 ms, compiling these and
         CuPy's gathers of pending tokens (since gone: the embedding kernel's token_src)."""
@@ -1201,6 +1295,10 @@ class CudaRunner:
                     self._decode_attention(nd, b.q_rot[:nd], d["k_ptrs"][:nd], d["v_ptrs"][:nd], empty[:nd], 0)
                 low = bucket + 1
             self._sample_rows(b.norm_out[:1], np.zeros(1, np.int64), 1)
+            if self.sampled_tail:  # its gathers: into a float32 stream, and a 16-bit one over GEMV_MAX_ROWS rows
+                wide = GEMV_MAX_ROWS + 1
+                for n in sorted({1, min(wide, self.rows)}):
+                    self._gather_sampled(self._residual(wide), wide, n)
             self.stream.synchronize()
 
     def _sample_rows(self, hidden: cp.ndarray, rows, n: int) -> None:
@@ -1457,6 +1555,11 @@ class CudaRunner:
         logit_rows = [i for i, r in enumerate(rows) if r.sample]
         n = len(logit_rows)
         g["last_tok"][:n] = (q_start + q_lens - 1)[logit_rows]
+        sampled_tail = self._takes_sampled_tail(rows, T, n)
+        if sampled_tail:
+            g["last_len"][:n] = kv_lens[logit_rows]
+            g["last_k"][:n] = seq_k[logit_rows]
+            g["last_v"][:n] = seq_v[logit_rows]
         tok_src = self._token_sources(rows, q_start, T)
         g["tok_src"][:T] = -1 if tok_src is None else tok_src
         graphed = self._ragged_graph_tokens(T)
@@ -1506,13 +1609,17 @@ class CudaRunner:
                     prefill_attention(offset)
 
             if graphed is None:
-                self._ragged_body(T, attention)
+                self._ragged_body(T, attention, n if sampled_tail else 0)
             else:  # the layers' graphs, the attention between them
                 pieces = self.ragged_graphs[graphed]
                 for i, piece in enumerate(pieces[:-1]):
                     piece.launch(self.stream)
+                    if sampled_tail and i == len(pieces) - 2:  # the last layer's rows that sample, eagerly
+                        self._sampled_tail(self._residual(T), T, n)
+                        break
                     attention(i * self._layer_elems)
-                pieces[-1].launch(self.stream)
+                else:
+                    pieces[-1].launch(self.stream)
             result = RunnerOutput()
             prompt_rows = [i for i, r in enumerate(rows) if r.want_prompt_logprobs]
             for i in prompt_rows:
@@ -1520,7 +1627,8 @@ class CudaRunner:
             if n == 0:
                 self.stream.synchronize()
                 return lambda: result
-            self._sample_rows(b.norm_out[:T], b.ragged.dev["last_tok"][:n], n)
+            if not sampled_tail:
+                self._sample_rows(b.norm_out[:T], b.ragged.dev["last_tok"][:n], n)
             self._linear(b.final_norm_out[:n], self._lm_head(n), b.logits[:n])
             self._sample(n)
             self._download(slot, n, want_lp)
