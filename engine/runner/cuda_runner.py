@@ -976,20 +976,18 @@ class CudaRunner:
             scales = self._linear(attn, layer.o_proj, o_out, pdl=pdl and attn.nbytes <= O_PROJ_PDL_MAX_INPUT, name="o")
         else:
             o_out, scales = o
-        norm = None
+        norm, norm_q = None, self._quant_in(n, cfg.hidden_size)
         if self._fold_norms(n):
             norm = self._folded(res, o_out, layer.post_attention_layernorm, layer.o_bias)
         else:
             add_rms_norm(res[0], o_out, layer.post_attention_layernorm, cfg.rms_norm_eps, out=b.norm_out[:n],
-                         bias=layer.o_bias, pdl=pdl, scales=scales, quant=self._quant_in(n, cfg.hidden_size),
-                         codes_only=True)
+                         bias=layer.o_bias, pdl=pdl, scales=scales, quant=norm_q, codes_only=True)
         act_q = self._quant_in(n, cfg.intermediate_size)
         if self._fused(n):
             gemv_silu(b.norm_out[:n], layer.gate_up_proj, b.mlp_act[:n], pdl=pdl, norm=norm)
         else:
             gate_up = self._product("gate_up", n)
-            scales = self._linear(b.norm_out[:n], layer.gate_up_proj, gate_up, xq=self._quant_in(n, cfg.hidden_size),
-                                  name="gate_up")
+            scales = self._linear(b.norm_out[:n], layer.gate_up_proj, gate_up, xq=norm_q, name="gate_up")
             silu_mul(gate_up, out=b.mlp_act[:n], pdl=pdl, scales=scales, quant=act_q, codes_only=True)
         down = self._product("down", n)
         return self._linear(b.mlp_act[:n], layer.down_proj, down, xq=act_q, name="down"), down
@@ -1199,14 +1197,13 @@ class CudaRunner:
         add_rms_norm(residual, delta, w.norm, cfg.rms_norm_eps, out=b.norm_out[:n], scales=down_scales,
                      pdl=self._launch_pdl)
 
-    def _takes_sampled_tail(self, rows: list[ScheduledSeq], T: int, n: int) -> bool:
-        """Whether a ragged step of these rows (T tokens, n of the rows sample) runs its last
-        layer past the attention for the sampling rows only (_sampled_tail): where some tokens
-        sample nothing (prompt tokens but a prompt's last), no row wants its prompt's logprobs
-        (those read every token's final hidden state), and the step is one of the cuBLAS
-        path's (more than GEMV_MAX_ROWS tokens)."""
-        return (self.sampled_tail and GEMV_MAX_ROWS < T and 0 < n < T and n <= self.rows
-                and not any(r.want_prompt_logprobs for r in rows))
+    def _takes_sampled_tail(self, T: int, n: int, prompt_logprobs: bool) -> bool:
+        """Whether a ragged step of T tokens, n of whose rows sample, runs its last layer past
+        the attention for the sampling rows only (_sampled_tail): where some tokens sample
+        nothing (prompt tokens but a prompt's last), no row wants its prompt's logprobs
+        (prompt_logprobs; those read every token's final hidden state), and the step is one of
+        the cuBLAS path's (more than GEMV_MAX_ROWS tokens)."""
+        return self.sampled_tail and GEMV_MAX_ROWS < T and 0 < n < T and n <= self.rows and not prompt_logprobs
 
     def _sampled_tail(self, residual: cp.ndarray, T: int, n: int) -> None:
         """The last layer of a ragged step of T tokens, from where _layers(front_of_last)
@@ -1555,7 +1552,8 @@ class CudaRunner:
         logit_rows = [i for i, r in enumerate(rows) if r.sample]
         n = len(logit_rows)
         g["last_tok"][:n] = (q_start + q_lens - 1)[logit_rows]
-        sampled_tail = self._takes_sampled_tail(rows, T, n)
+        prompt_rows = [i for i, r in enumerate(rows) if r.want_prompt_logprobs]
+        sampled_tail = self._takes_sampled_tail(T, n, bool(prompt_rows))
         if sampled_tail:
             g["last_len"][:n] = kv_lens[logit_rows]
             g["last_k"][:n] = seq_k[logit_rows]
@@ -1621,7 +1619,6 @@ class CudaRunner:
                 else:
                     pieces[-1].launch(self.stream)
             result = RunnerOutput()
-            prompt_rows = [i for i, r in enumerate(rows) if r.want_prompt_logprobs]
             for i in prompt_rows:
                 result.prompt_logprobs[rows[i].seq_id] = self._prompt_logprobs(rows[i], int(q_start[i]))
             if n == 0:
