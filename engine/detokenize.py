@@ -21,63 +21,95 @@ class DetokenizedDelta:
 
 
 class IncrementalDetokenizer:
+    """The text of one sequence's tokens, pushed as they come. The text already returned is
+    kept as its pieces (`text` joins them once, when asked), so a push costs the same at the
+    ten-thousandth token as at the first; only the text not yet returned (what may still be
+    the start of a stop string) is searched and held."""
+
     def __init__(self, token_bytes: Sequence[bytes], special_ids: frozenset[int] = frozenset(),
                  stop: Sequence[str] = (), skip_special_tokens: bool = True,
                  include_stop_str_in_output: bool = False) -> None:
         self._token_bytes = token_bytes
         self._skip = special_ids if skip_special_tokens else frozenset()
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._pending = b""  # the bytes of a character not complete yet
         self._stops = tuple(stop)
         self._max_stop = max((len(s) for s in self._stops), default=0)
         self._include_stop = include_stop_str_in_output
-        self.text = ""  # everything decoded so far
-        self._emitted = 0  # chars of self.text already returned
+        self._shown: list[str] = []  # the text returned so far, in pieces
+        self._held = ""  # decoded, not returned: it may begin a stop string
         self.stopped: str | None = None
+
+    @property
+    def text(self) -> str:
+        """Everything decoded so far (cut at the stop string where one was found)."""
+        return "".join(self._shown) + self._held
 
     def push(self, token_ids: Sequence[int]) -> DetokenizedDelta:
         """Add tokens; returns the text that became safe to emit."""
         if self.stopped is not None:
             return DetokenizedDelta("")
-        data = b"".join(self._token_bytes[t] for t in token_ids if t not in self._skip)
-        before = len(self.text)
-        self.text += self._decoder.decode(data)
-        if self._stops:
-            hit = self._find_stop(max(0, before - self._max_stop + 1))
-            if hit is not None:
-                start, stop = hit
-                end = start + len(stop) if self._include_stop else start
-                self.stopped = stop
-                self.text = self.text[:end]
-                return DetokenizedDelta(self._take(end), stop)
-            return DetokenizedDelta(self._take(len(self.text) - self._held_back()))
-        return DetokenizedDelta(self._take(len(self.text)))
+        if len(token_ids) == 1:  # a decode step's token: no generator
+            token = token_ids[0]
+            data = b"" if token in self._skip else self._token_bytes[token]
+        else:
+            data = b"".join(self._token_bytes[t] for t in token_ids if t not in self._skip)
+        new = self._decode(data)
+        if not self._stops:
+            return DetokenizedDelta(self._show(new))
+        # a stop string cannot begin in the text already returned: that text was held while
+        # it could (_held_back), so searching the held text and the new is enough
+        held = self._held + new
+        hit = self._find_stop(held)
+        if hit is not None:
+            start, stop = hit
+            self.stopped = stop
+            self._held = ""
+            return DetokenizedDelta(self._show(held[:start + len(stop) if self._include_stop else start]), stop)
+        keep = len(held) - self._held_back(held)
+        self._held = held[keep:]
+        return DetokenizedDelta(self._show(held[:keep]))
 
     def flush(self) -> str:
         """At the end of generation: release held-back text and any incomplete character."""
-        if self.stopped is None:
-            self.text += self._decoder.decode(b"", final=True)
-        return self._take(len(self.text))
-
-    def _take(self, end: int) -> str:
-        if end <= self._emitted:
+        if self.stopped is not None:
             return ""
-        out = self.text[self._emitted:end]
-        self._emitted = end
-        return out
+        rest, self._held = self._held + self._decode(b"", final=True), ""
+        return self._show(rest)
 
-    def _find_stop(self, search_from: int) -> tuple[int, str] | None:
+    def _decode(self, data: bytes, final: bool = False) -> str:
+        """The text of the bytes so far that form whole characters (invalid ones as U+FFFD);
+        an incomplete character's bytes wait for the next call, or, final, become U+FFFD.
+        codecs' incremental UTF-8 decoder does this in Python around the C function it calls
+        (~1 us a token more)."""
+        if self._pending:
+            data = self._pending + data
+        text, used = codecs.utf_8_decode(data, "replace", final)
+        self._pending = data[used:]
+        return text
+
+    def _show(self, text: str) -> str:
+        if text:
+            self._shown.append(text)
+        return text
+
+    def _find_stop(self, text: str) -> tuple[int, str] | None:
+        """The stop string that begins first in text, and where (the first listed of those
+        that begin there)."""
         best: tuple[int, str] | None = None
         for stop in self._stops:
-            i = self.text.find(stop, search_from)
+            i = text.find(stop)
             if i != -1 and (best is None or i < best[0]):
                 best = (i, stop)
         return best
 
-    def _held_back(self) -> int:
-        """Length of the longest tail of the unemitted text that begins a stop string."""
-        tail = self.text[max(self._emitted, len(self.text) - self._max_stop + 1):]
-        for k in range(len(tail), 0, -1):
-            suffix = tail[-k:]
-            if any(stop.startswith(suffix) for stop in self._stops):
-                return k
-        return 0
+    def _held_back(self, text: str) -> int:
+        """Length of the longest tail of text (not returned yet) that begins a stop string."""
+        tail = text[max(0, len(text) - self._max_stop + 1):]
+        longest = 0
+        for stop in self._stops:  # its earliest start in the tail that the tail's end continues
+            i = tail.find(stop[0], 0, len(tail) - longest)
+            while i != -1 and not stop.startswith(tail[i:]):
+                i = tail.find(stop[0], i + 1, len(tail) - longest)
+            if i != -1:
+                longest = len(tail) - i
+        return longest

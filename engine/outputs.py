@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from .request import SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)  # a row a sequence a step: slots make them quicker to build and read
 class ScheduledSeq:
     """One sequence's share of a step: a decode token or a chunk of its prompt."""
 

@@ -184,8 +184,14 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        seqs = self.seqs  # (n = 1 without a generator: asked for each token the engine emits)
+        if len(seqs) == 1:
+            return seqs[0].status is SeqStatus.FINISHED
+        return all(s.status is SeqStatus.FINISHED for s in seqs)
 
     @property
     def num_generated_tokens(self) -> int:
-        return sum(len(s.output_token_ids) for s in self.seqs)
+        seqs = self.seqs
+        if len(seqs) == 1:
+            return len(seqs[0].output_token_ids)
+        return sum(len(s.output_token_ids) for s in seqs)

@@ -81,3 +81,66 @@ def test_incomplete_character_at_the_end_becomes_a_replacement(tok):
     detok = IncrementalDetokenizer(tok.token_bytes, tok.special_ids)
     assert detok.push(ids[:-1]).text == ""
     assert detok.flush() == "\ufffd"
+
+
+def test_bytes_decode_as_codecs_incremental_decoder_does():
+    """Random byte tokens (whole, split and invalid UTF-8; one and several a push, special ids
+    among them) give, delta by delta and after the flush, the text of codecs' incremental
+    UTF-8 decoder with errors="replace" over the same bytes."""
+    import codecs
+    import random
+
+    rng = random.Random(7)
+    pieces = ["a", "é", "東", "🎉", " the", "\u0301"]
+    table = [p.encode() for p in pieces] + [b"\xf0\x9f", b"\x8e\x89", b"\xe6", b"\x9d\xb1", b"\xff", b"\xc3",
+                                            b"\x80\x80", b"<s>"]
+    special = frozenset({len(table) - 1})
+    for trial in range(200):
+        ids = [rng.randrange(len(table)) for _ in range(rng.randrange(1, 24))]
+        detok = IncrementalDetokenizer(table, special)
+        reference = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        i = 0
+        while i < len(ids):
+            chunk = ids[i:i + rng.choice((1, 1, 1, 2, 3))]
+            i += len(chunk)
+            got = detok.push(chunk).text
+            want = reference.decode(b"".join(table[t] for t in chunk if t not in special))
+            assert got == want, (trial, ids)
+        assert detok.flush() == reference.decode(b"", final=True), (trial, ids)
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_strings_against_a_search_of_the_whole_text(include):
+    """Random pushes over a small alphabet (stop strings occur often, overlap, share prefixes,
+    arrive split over tokens and inside multi-byte characters): after every push the text
+    returned so far, joined, is the whole text decoded so far cut where the first stop string
+    to appear begins (or ends, with include_stop_str_in_output) - nothing of a stop string is
+    ever returned first and taken back - and the rest comes out at flush."""
+    import codecs
+    import random
+
+    rng = random.Random(11)
+    table = [b"a", b"b", b"ab", b"ba", b"\xc3", b"\xa9", "é".encode(), b"aab", b"x", b"<s>"]
+    special = frozenset({len(table) - 1})
+    for trial in range(300):
+        stops = rng.sample(["ab", "ba", "aab", "bab", "éa", "xx", "aé", "bbbb"], rng.randrange(1, 4))
+        detok = IncrementalDetokenizer(table, special, stop=stops, include_stop_str_in_output=include)
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        whole, shown, want_stop = "", "", None
+        for _ in range(rng.randrange(1, 16)):
+            chunk = [rng.randrange(len(table)) for _ in range(rng.choice((1, 1, 2, 3)))]
+            whole += decoder.decode(b"".join(table[t] for t in chunk if t not in special))
+            delta = detok.push(chunk)
+            shown += delta.text
+            hits = [(whole.find(s), k, s) for k, s in enumerate(stops) if s in whole]
+            if hits:  # the first to appear: none was in the text before this push
+                start, _, want_stop = min(hits)
+                cut = whole[:start + len(want_stop) if include else start]
+                assert (shown, delta.stop, detok.stopped) == (cut, want_stop, want_stop), (trial, stops)
+                assert detok.push([0]).text == "" and detok.flush() == ""
+                break
+            assert delta.stop is None and whole.startswith(shown), (trial, stops)
+        if want_stop is None:
+            shown += detok.flush()
+            assert shown == whole + decoder.decode(b"", final=True), (trial, stops)
+        assert detok.text == shown
