@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 
-@dataclass
+@dataclass(slots=True)
 class DetokenizedDelta:
     text: str  # new text safe to show
     stop: str | None = None  # the stop string found (the sequence must finish)

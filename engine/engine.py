@@ -83,7 +83,7 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped; no request can be served."""
 
 
-@dataclass
+@dataclass(slots=True)  # made and read for every token: slots build and read quicker
 class CompletionOutput:
     """One sequence's part of a RequestOutput: a delta while streaming."""
 
@@ -95,7 +95,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]

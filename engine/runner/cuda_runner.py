@@ -1340,27 +1340,30 @@ class CudaRunner:
         h["top_p"][:n] = [p.top_p for p in params]
         h["min_p"][:n] = [p.min_p for p in params]
         h["seeds"][:n] = [r.rng_seed & 0xFFFFFFFFFFFFFFFF for r in rows]
-        h["counters"][:n] = [len(r.output_token_ids) + r.pending_tokens for r in rows]
+        counters = [len(r.output_token_ids) + r.pending_tokens for r in rows]
+        h["counters"][:n] = counters
         h["rep_pen"][:n] = [p.repetition_penalty for p in params]
         h["freq_pen"][:n] = [p.frequency_penalty for p in params]
         h["pres_pen"][:n] = [p.presence_penalty for p in params]
         h["lp_n"][:n] = [-1 if p.logprobs is None else p.logprobs for p in params]
         h["pen_slot"][:n] = [self._penalty_slot(r) for r in rows]
+        h["bias_n"][:n] = [len(p.logit_bias) for p in params]
+        h["banned_n"][:n] = 0
         extra = False
-        for i, (r, p) in enumerate(zip(rows, params)):
-            nb = len(p.logit_bias)
-            h["bias_n"][i] = nb
-            if nb:
+        # only the rows with a logit_bias or tokens banned (min_tokens) take a row's loop
+        for i in [i for i, p in enumerate(params) if p.logit_bias or counters[i] < p.min_tokens]:
+            p = params[i]
+            if p.logit_bias:
+                nb = len(p.logit_bias)
                 h["bias_ids"][i, :nb] = list(p.logit_bias.keys())
                 h["bias_vals"][i, :nb] = list(p.logit_bias.values())
                 extra = True
-            banned = []
-            if len(r.output_token_ids) + r.pending_tokens < p.min_tokens:
+            if counters[i] < p.min_tokens:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos))
-            h["banned_n"][i] = len(banned)
-            if banned:
-                h["banned_ids"][i, :len(banned)] = banned
-                extra = True
+                h["banned_n"][i] = len(banned)
+                if banned:
+                    h["banned_ids"][i, :len(banned)] = banned
+                    extra = True
         return extra, any(p.logprobs is not None for p in params)
 
     def _penalty_slot(self, row: ScheduledSeq) -> int:
