@@ -115,6 +115,41 @@ def test_async_stream_deltas_add_up(served):
     assert "".join(deltas) == expected
 
 
+def test_merged_deltas_keep_every_field():
+    """RequestOutput.merged (a stream's waiting deltas as one): the last delta's every field but
+    the sequences' pieces, which join in index order (a sequence in one delta only kept as it
+    is), and the prompt logprobs, which come with the first delta that has them. Every field is checked by
+    name, so one added later and not carried fails here."""
+    from engine.engine import CompletionOutput, RequestOutput
+    from engine.outputs import TokenLogprobs
+    from engine.request import RequestTimings
+
+    def lp(t):
+        return TokenLogprobs(t, -0.5, 1)
+
+    first = RequestOutput("r", [1, 2], [CompletionOutput(0, "a", [5], [lp(5)]), CompletionOutput(2, "x", [9])],
+                          False, [lp(1)], 2, RequestTimings(arrival=1.0), None, None)
+    later_fields = dict(request_id="r", prompt_token_ids=[1, 2], finished=True, prompt_logprobs=None,
+                        num_generated_tokens=5, timings=RequestTimings(arrival=1.0, first_token=2.0),
+                        error="boom", error_kind="internal")
+    later = RequestOutput(outputs=[CompletionOutput(1, "q", [7], None, "stop", 3),
+                                   CompletionOutput(0, "b", [6], None, "length")], **later_fields)
+    merged = RequestOutput.merged([first, later])
+    for f in dataclasses.fields(RequestOutput):
+        if f.name not in ("outputs", "prompt_logprobs"):
+            assert getattr(merged, f.name) is getattr(later, f.name), f.name
+    assert merged.prompt_logprobs == [lp(1)]
+    assert merged.outputs == [CompletionOutput(0, "ab", [5, 6], [lp(5)], "length", None),
+                              CompletionOutput(1, "q", [7], None, "stop", 3), CompletionOutput(2, "x", [9])]
+    one = RequestOutput("s", [1], [CompletionOutput(0, "he", [4, 4], [lp(4), lp(4)])], num_generated_tokens=2)
+    two = RequestOutput("s", [1], [CompletionOutput(0, "llo", [8], [lp(8)], "stop", "lo")], True,
+                        num_generated_tokens=3)
+    mid = RequestOutput("s", [1], [CompletionOutput(0, "", [], None)], num_generated_tokens=2)
+    assert RequestOutput.merged([one, mid, two]) == RequestOutput(
+        "s", [1], [CompletionOutput(0, "hello", [4, 4, 8], [lp(4), lp(4), lp(8)], "stop", "lo")], True, None, 3)
+    assert RequestOutput.merged([two]) == two
+
+
 def test_a_stream_that_falls_behind_gets_merged_deltas(served):
     """A consumer busy elsewhere (a server with hundreds of streams) gets what waited as one
     delta: fewer events, the same tokens, text and logprobs."""
