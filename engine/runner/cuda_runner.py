@@ -20,6 +20,7 @@ waits for it, so the engine can use the host meanwhile; `execute` is the two in 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -1539,8 +1540,10 @@ class CudaRunner:
         seq_v[:] = seq_k
         seq_k += self.k_cache.data.ptr
         seq_v += self.v_cache.data.ptr
-        g["tok_ids"][:T] = np.fromiter((t for r in rows for t in r.token_ids), np.int32, T)
-        g["tok_pos"][:T] = np.concatenate([np.arange(r.start_pos, r.kv_len, dtype=np.int32) for r in rows])
+        g["tok_ids"][:T] = np.fromiter(itertools.chain.from_iterable(r.token_ids for r in rows), np.int32, T)
+        # a token's position: its row's start_pos + its place in the row (one arange, not one a row)
+        starts = np.fromiter((r.start_pos for r in rows), np.int32, S)
+        g["tok_pos"][:T] = np.arange(T, dtype=np.int32) + np.repeat(starts - q_start, q_lens)
         g["tok_k"][:T] = np.repeat(seq_k, q_lens)
         g["tok_v"][:T] = np.repeat(seq_v, q_lens)
         # The leading one-token rows (the decodes the scheduler puts first) attend through
