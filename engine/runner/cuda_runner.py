@@ -73,6 +73,12 @@ GRAPH_RESERVE_BYTES = 512 << 20  # left free for cuBLAS workspaces and graph ins
 # (SmolLM2, 2,048 tokens: 8-13 ms a step). Larger steps launch eagerly. Each count stays in its
 # power-of-two bucket of rows, where cuBLASLt's algorithm is chosen (gemm._Lt.plan), so padding
 # changes no product's algorithm.
+# A sequence's sampling values that do not change (CudaRunner._param_rows): those staged for
+# each row as they are, and two the host reads (min_tokens, whether a penalty applies)
+PARAM_FIELDS = {"temperature": np.float32, "top_k": np.int32, "top_p": np.float32, "min_p": np.float32,
+                "rep_pen": np.float32, "freq_pen": np.float32, "pres_pen": np.float32, "lp_n": np.int32,
+                "bias_n": np.int32, "min_tokens": np.int64, "penalized": np.bool_}
+PARAM_STAGED = ("temperature", "top_k", "top_p", "min_p", "rep_pen", "freq_pen", "pres_pen", "lp_n", "bias_n")
 RAGGED_GRAPH_TOKENS = (16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1152, 1280, 1408,
                        1536, 1664, 1792, 1920, 2048)
 # The decode attention keeps up to ~222 KB of shared memory on an SM; a kernel that starts
@@ -537,6 +543,12 @@ class CudaRunner:
         self._size_kv_pool()
         self._pen_slots: dict[int, int] = {}
         self._free_pen_slots = list(range(self.rows))  # slot `rows` is the padding rows' spare
+        # each sequence's fixed sampling values, staged once (_param_rows): a step gathers its
+        # rows' from here instead of reading every row's SamplingParams again
+        self._param_slots: dict[int, int] = {}
+        self._param_table = {name: np.zeros(2 * self.rows, dtype) for name, dtype in PARAM_FIELDS.items()}
+        self._param_owner: list[object] = [None] * (2 * self.rows)  # the SamplingParams each entry holds
+        self._free_param_slots = list(range(2 * self.rows))
         b = self.buffers
         self._outputs = HostOutputs(self.rows, {"lp_value": b.lp_value, "lp_rank": b.lp_rank,
                                                 "lp_top_ids": b.lp_top_ids, "lp_top_values": b.lp_top_values})
@@ -1328,44 +1340,73 @@ class CudaRunner:
     def _fill_sampling(self, rows: list[ScheduledSeq], slot: int) -> tuple[bool, bool]:
         """Sampling parameters of `rows` into the staged inputs (row order), their tokens
         bound for host set `slot` (every row's, padding included: HostOutputs.out_index).
+        A row's fixed values come from its sequence's entry in the parameter table
+        (_param_rows); only its counter is read from the row.
 
         Returns (whether any row has logit_bias or bans, whether any asks for logprobs).
         """
         h = self.buffers.inputs.host
         h["out_index"][:] = self._outputs.out_index[slot]
         n = len(rows)
-        eos = self.config.eos_token_ids
-        params = [r.sampling for r in rows]
-        h["temperature"][:n] = [p.temperature for p in params]
-        h["top_k"][:n] = [p.top_k or 0 for p in params]
-        h["top_p"][:n] = [p.top_p for p in params]
-        h["min_p"][:n] = [p.min_p for p in params]
+        at = self._param_rows(rows)
+        table = self._param_table
+        for name in PARAM_STAGED:
+            h[name][:n] = table[name][at]
         h["seeds"][:n] = [r.rng_seed & 0xFFFFFFFFFFFFFFFF for r in rows]
-        counters = [len(r.output_token_ids) + r.pending_tokens for r in rows]
+        counters = np.fromiter((len(r.output_token_ids) + r.pending_tokens for r in rows), np.int32, n)
         h["counters"][:n] = counters
-        h["rep_pen"][:n] = [p.repetition_penalty for p in params]
-        h["freq_pen"][:n] = [p.frequency_penalty for p in params]
-        h["pres_pen"][:n] = [p.presence_penalty for p in params]
-        h["lp_n"][:n] = [-1 if p.logprobs is None else p.logprobs for p in params]
-        h["pen_slot"][:n] = [self._penalty_slot(r) for r in rows]
-        h["bias_n"][:n] = [len(p.logit_bias) for p in params]
+        h["pen_slot"][:n] = -1
+        for i in np.flatnonzero(table["penalized"][at]).tolist():
+            h["pen_slot"][i] = self._penalty_slot(rows[i])
         h["banned_n"][:n] = 0
         extra = False
         # only the rows with a logit_bias or tokens banned (min_tokens) take a row's loop
-        for i in [i for i, p in enumerate(params) if p.logit_bias or counters[i] < p.min_tokens]:
-            p = params[i]
+        for i in np.flatnonzero((h["bias_n"][:n] > 0) | (counters < table["min_tokens"][at])).tolist():
+            p = rows[i].sampling
             if p.logit_bias:
                 nb = len(p.logit_bias)
                 h["bias_ids"][i, :nb] = list(p.logit_bias.keys())
                 h["bias_vals"][i, :nb] = list(p.logit_bias.values())
                 extra = True
             if counters[i] < p.min_tokens:
-                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos))
+                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.config.eos_token_ids))
                 h["banned_n"][i] = len(banned)
                 if banned:
                     h["banned_ids"][i, :len(banned)] = banned
                     extra = True
-        return extra, any(p.logprobs is not None for p in params)
+        return extra, bool((h["lp_n"][:n] >= 0).any())
+
+    def _param_rows(self, rows: list[ScheduledSeq]) -> np.ndarray:
+        """Where each row's sequence has its sampling values in the parameter table, entered
+        at first sight (a sequence keeps its SamplingParams; _release frees its entry). An
+        entry counts only for the very SamplingParams object it was made from, so a sequence id
+        seen again with other parameters (a caller other than the scheduler) is entered again.
+        A full table starts again: its entries are only a copy."""
+        slot_of, owner = self._param_slots, self._param_owner
+        at = [slot_of.get(r.seq_id, -1) for r in rows]
+        at = [a if a >= 0 and owner[a] is r.sampling else -1 for a, r in zip(at, rows)]
+        if -1 in at:
+            if len(self._free_param_slots) < at.count(-1):
+                slot_of.clear()
+                self._param_owner = owner = [None] * len(owner)
+                self._free_param_slots = list(range(len(owner)))
+                at = [-1] * len(rows)
+            table = self._param_table
+            for i, r in enumerate(rows):
+                if at[i] < 0:
+                    entry = slot_of.get(r.seq_id, -1)  # held for other parameters: taken over
+                    at[i] = entry = entry if entry >= 0 else self._free_param_slots.pop()
+                    slot_of[r.seq_id] = entry
+                    p = owner[entry] = r.sampling
+                    for name, value in (("temperature", p.temperature), ("top_k", p.top_k or 0), ("top_p", p.top_p),
+                                        ("min_p", p.min_p), ("rep_pen", p.repetition_penalty),
+                                        ("freq_pen", p.frequency_penalty), ("pres_pen", p.presence_penalty),
+                                        ("lp_n", -1 if p.logprobs is None else p.logprobs),
+                                        ("bias_n", len(p.logit_bias)), ("min_tokens", p.min_tokens),
+                                        ("penalized", p.repetition_penalty != 1.0 or bool(p.frequency_penalty)
+                                         or bool(p.presence_penalty))):
+                        table[name][entry] = value
+        return np.array(at, np.intp)
 
     def _penalty_slot(self, row: ScheduledSeq) -> int:
         p = row.sampling
@@ -1390,6 +1431,10 @@ class CudaRunner:
             slot = self._pen_slots.pop(sid, None)
             if slot is not None:
                 self._free_pen_slots.append(slot)
+            entry = self._param_slots.pop(sid, None)
+            if entry is not None:
+                self._param_owner[entry] = None
+                self._free_param_slots.append(entry)
 
     # ------------------------------------------------------------------ execute
 
@@ -1456,7 +1501,7 @@ class CudaRunner:
         h = inputs.writable()
         h["input_ids"][:B] = [r.token_ids[0] for r in rows]
         h["positions"][:B] = [r.start_pos for r in rows]
-        h["kv_lens"][:B] = [r.kv_len for r in rows]
+        np.add(h["positions"][:B], 1, out=h["kv_lens"][:B])  # one token a row: kv_len = start_pos + 1
         starts = np.fromiter((r.kv_start for r in rows), np.int64, B)
         h["k_ptrs"][:B] = self.k_cache.data.ptr + starts * self._slot_bytes
         h["v_ptrs"][:B] = self.v_cache.data.ptr + starts * self._slot_bytes
