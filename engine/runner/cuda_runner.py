@@ -1383,8 +1383,7 @@ class CudaRunner:
         seen again with other parameters (a caller other than the scheduler) is entered again.
         A full table starts again: its entries are only a copy."""
         slot_of, owner = self._param_slots, self._param_owner
-        at = [slot_of.get(r.seq_id, -1) for r in rows]
-        at = [a if a >= 0 and owner[a] is r.sampling else -1 for a, r in zip(at, rows)]
+        at = [a if (a := slot_of.get(r.seq_id, -1)) >= 0 and owner[a] is r.sampling else -1 for r in rows]
         if -1 in at:
             if len(self._free_param_slots) < at.count(-1):
                 slot_of.clear()
@@ -1409,9 +1408,8 @@ class CudaRunner:
         return np.array(at, np.intp)
 
     def _penalty_slot(self, row: ScheduledSeq) -> int:
-        p = row.sampling
-        if p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty:
-            return -1
+        """The penalty state's slot of a row whose sequence has a penalty (the parameter
+        table's `penalized`, which _fill_sampling asks first)."""
         slot = self._pen_slots.get(row.seq_id)
         if slot is None:  # first sight: counts of what it generated so far, prompt bitmap
             slot = self._free_pen_slots.pop()
