@@ -9,6 +9,18 @@ from dataclasses import dataclass, field
 MAX_LOGPROBS = 20  # top-n alternatives a request may ask for (OpenAI allows 20)
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias (OpenAI allows 300)
 MAX_STOP_TOKEN_IDS = 256
+# characters of a request's stop strings in all: the detokenizer builds a table of each on the
+# engine's thread (~0.2 us a character), and a stop string longer than any output is no use
+MAX_STOP_CHARS = 16384
+
+
+def check_stop_strings(stop) -> None:
+    """Raise ValueError unless stop is a sequence of non-empty strings within MAX_STOP_CHARS."""
+    if any(not isinstance(s, str) or not s for s in stop):
+        raise ValueError("stop strings must be non-empty strings")
+    total = sum(len(s) for s in stop)
+    if total > MAX_STOP_CHARS:
+        raise ValueError(f"stop strings may have at most {MAX_STOP_CHARS} characters in all, got {total}")
 
 
 @dataclass(frozen=True)
@@ -83,8 +95,7 @@ class SamplingParams:
         for bias in self.logit_bias.values():
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values must be between -100 and 100, got {bias}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty strings")
+        check_stop_strings(self.stop)
 
     @property
     def greedy(self) -> bool:

@@ -6,7 +6,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from engine.request import MAX_LOGPROBS
+from engine.request import MAX_LOGPROBS, check_stop_strings
 
 MAX_STOP_STRINGS = 64  # OpenAI allows 4; more than this is refused rather than slowing every token
 
@@ -48,6 +48,8 @@ class SamplingFields(OpenAIModel):
     def _stop_list(cls, v):
         if isinstance(v, list) and len(v) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(v)}")
+        if v is not None:
+            check_stop_strings([v] if isinstance(v, str) else v)
         return v
 
     @field_validator("logit_bias")

@@ -127,6 +127,7 @@ def test_invalid_sampling_params_raise_readable_errors():
                          ({"min_p": 2}, "min_p"), ({"n": 0}, "n"), ({"max_tokens": -1}, "max_tokens"),
                          ({"presence_penalty": 3}, "presence_penalty"), ({"logprobs": 21}, "logprobs"),
                          ({"logit_bias": {1: 500}}, "logit_bias"), ({"stop": [""]}, "stop"),
+                         ({"stop": ["ab", "c" * 16383]}, "stop strings may have at most 16384 characters"),
                          ({"min_tokens": 5, "max_tokens": 2}, "min_tokens")]:
         with pytest.raises(ValueError, match=word):
             SamplingParams(**kwargs)

@@ -259,6 +259,7 @@ def test_chat_context_limit_message(client):
     ('{"prompt": "x", "logprobs": 1000}', "logprobs"),
     ('{"prompt": "x", "logit_bias": {"abc": 1}}', "logit_bias"),
     ('{"prompt": "x", "stop": 3}', "stop"),
+    ('{"prompt": "x", "stop": ["a", "%s"]}' % ("b" * 16384), "stop"),
     ('{"prompt": "x", "top_p": 0}', "top_p"),
     ('{}', "prompt"),
 ])
