@@ -105,7 +105,10 @@ class IncrementalDetokenizer:
         held text), the first listed of those that begin there; else None."""
         best: tuple[int, str] | None = None
         for k, stop in enumerate(self._stops):
-            borders, matched, last = self._borders[k], self._matched[k], len(stop) - 1
+            matched = self._matched[k]
+            if not matched and stop[0] not in new:  # stays at 0: skip the loop (most strings, most tokens)
+                continue
+            borders, last = self._borders[k], len(stop) - 1
             for j, c in enumerate(new):
                 while matched and stop[matched] != c:
                     matched = borders[matched - 1]
