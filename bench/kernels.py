@@ -296,7 +296,7 @@ def decode_table(shape_name: str, batches: list[int], context: int, pdl: bool | 
     from engine.loader import load_model
     from engine.outputs import ScheduledSeq, SchedulerOutput
     from engine.request import SamplingParams
-    from engine.runner.cuda_runner import CudaRunner, bucket_for
+    from engine.runner.cuda_runner import CudaRunner
     model = load_model(f"random:{shape_name}", with_tokenizer=False)
     cfg = model.config
     pool_bytes = max(8 << 30, int(1.1 * max(batches) * (context + 256) * cfg.kv_bytes_per_token(2)))
@@ -312,7 +312,7 @@ def decode_table(shape_name: str, batches: list[int], context: int, pdl: bool | 
         seqs = [ScheduledSeq(i, [5], context, i * region, True, greedy, rng_seed=i) for i in range(B)]
         out = SchedulerOutput(seqs)
         runner.execute(out)  # fills the step inputs (and compiles nothing new)
-        graph = runner.graphs[bucket_for(B)]
+        graph = runner.decode_graph(B)
         with runner.stream:
             t_graph = time_gpu(lambda s=runner.stream: graph.launch(s), iters=30)
         step = []
@@ -361,11 +361,10 @@ def profile_graph(shape_name: str, batch: int, context: int, kv_dtype: str = "au
     for `ncu --profile-from-start off --graph-profiling node` (see ncu_summary; one launch) or
     `nsys profile --capture-range=cudaProfilerApi --cuda-graph-trace=node` (the kernels timed
     inside the graph, overlaps included)."""
-    from engine.runner.cuda_runner import bucket_for
     runner = decode_runner(shape_name, batch, context, kv_dtype, quantization)
     cp.cuda.profiler.start()
     for _ in range(launches):
-        runner.graphs[bucket_for(batch)].launch(runner.stream)
+        runner.decode_graph(batch).launch(runner.stream)
     runner.stream.synchronize()
     cp.cuda.profiler.stop()
 

@@ -31,3 +31,19 @@ def embedding(ids: cp.ndarray, table: cp.ndarray, out: cp.ndarray | None = None,
                (T,), (min(1024, hidden),), (ids, ptr_or_null(src), ptr_or_null(sampled), table, out, i32(hidden)),
                pdl=pdl)
     return out
+
+
+STAGE_IN_THREADS = 256
+
+
+def stage_in(src_ptr: int, dst: cp.ndarray, nbytes: int) -> None:
+    """dst's first nbytes <- the nbytes at src_ptr: pinned host memory allocated mapped
+    (cudaHostAllocMapped, whose host address the device reads as is), over the bus, by one
+    kernel. nbytes: a multiple of 16, at most dst's bytes."""
+    if nbytes % 16 or not 0 < nbytes <= dst.nbytes:
+        raise ValueError(f"stage_in: {nbytes} bytes must be a positive multiple of 16 within dst's {dst.nbytes}")
+    if not dst.flags.c_contiguous:
+        raise ValueError("stage_in: dst must be contiguous")
+    n16 = nbytes // 16
+    launch(module("embedding").get_function("stage_in"), (min(64, -(-n16 // STAGE_IN_THREADS)),),
+           (STAGE_IN_THREADS,), (np.uint64(src_ptr), dst, i32(n16)))

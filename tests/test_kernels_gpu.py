@@ -131,6 +131,25 @@ def test_embedding(dtype):
     np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(table16)[ids])
 
 
+@pytest.mark.parametrize("nbytes", [16, 4096 + 48, 1 << 20])
+def test_stage_in_reads_mapped_host_memory(nbytes):
+    """stage_in copies a prefix of mapped pinned host memory into a device buffer (more words
+    than its grid's threads at 1 MB), leaves the rest of the buffer alone, and refuses sizes that
+    are not whole 16-byte words or exceed the buffer."""
+    from kernels_cuda.embedding import stage_in
+    mem = cp.cuda.PinnedMemory(nbytes, cp.cuda.runtime.hostAllocMapped)
+    host = np.frombuffer(cp.cuda.PinnedMemoryPointer(mem, 0), np.uint8, nbytes)
+    host[:] = rng.integers(0, 256, nbytes, dtype=np.uint8)
+    dst = cp.full(nbytes + 64, 7, np.uint8)
+    stage_in(host.ctypes.data, dst, nbytes)
+    got = cp.asnumpy(dst)
+    np.testing.assert_array_equal(got[:nbytes], host)
+    assert (got[nbytes:] == 7).all()
+    for bad in (nbytes + 8, nbytes + 128, 0):
+        with pytest.raises(ValueError):
+            stage_in(host.ctypes.data, dst, bad)
+
+
 def test_sampling_writes_the_host_and_logprobs_of_its_tokens():
     """sample_tokens with host_out and logprobs: each row's token also lands in pinned host
     memory at its out_index, and its logprobs are token_logprobs' (same bits) for that token."""

@@ -35,7 +35,7 @@ from kernels_cuda import attn_o as attn_o_module
 from kernels_cuda import mlp_block as mlp_block_module
 from kernels_cuda._module import pdl_supported, sm_count
 from kernels_cuda.activation import silu_mul
-from kernels_cuda.embedding import embedding
+from kernels_cuda.embedding import embedding, stage_in
 from kernels_cuda.flash_decode import KEYS as FLASH_KEYS
 from kernels_cuda.flash_decode import MAX_SPLITS as FLASH_MAX_SPLITS
 from kernels_cuda.flash_decode import flash_decode
@@ -261,8 +261,9 @@ class StagedInputs:
     """A step's inputs packed in pinned host memory and one device buffer, so that they go up
     in a single copy. The host side has two copies used in turn: `writable` hands out the one
     the step before last uploaded from, so a step launched ahead fills its inputs while the
-    previous step's copy (queued behind the step before it) may not have run yet. fields:
-    name -> (dtype, shape)."""
+    previous step's copy (queued behind the step before it) may not have run yet. The host
+    sides are mapped: a decode graph's first kernel reads its side itself (`stage_in`, `read`).
+    fields: name -> (dtype, shape)."""
 
     def __init__(self, fields: dict[str, tuple[np.dtype, tuple[int, ...]]]) -> None:
         offsets, total = {}, 0
@@ -274,7 +275,7 @@ class StagedInputs:
         self.device_bytes = cp.zeros(total, np.uint8)
         self._pinned, self._hosts = [], []
         for _ in range(2):
-            pinned = cp.cuda.alloc_pinned_memory(total)
+            pinned = cp.cuda.PinnedMemoryPointer(cp.cuda.PinnedMemory(total, cp.cuda.runtime.hostAllocMapped), 0)
             host_bytes = np.frombuffer(pinned, np.uint8, total)
             host_bytes[:] = 0  # pinned memory comes back from the pool as it was left
             self._pinned.append(pinned)
@@ -291,6 +292,21 @@ class StagedInputs:
     def host(self) -> dict[str, np.ndarray]:
         """The host fields of the current side (what the next upload copies)."""
         return self._hosts[self._side]
+
+    @property
+    def side(self) -> int:
+        """The current host side (0 or 1)."""
+        return self._side
+
+    def stage_in(self, side: int, upto: str) -> None:
+        """On the current stream: the device buffer's prefix ending with field `upto` read from
+        host side `side` by a kernel (a graph captures it with a fixed side)."""
+        stage_in(self._pinned[side].ptr, self.device_bytes, self._ends[upto])
+
+    def read(self, stream: cp.cuda.Stream) -> None:
+        """Mark the current side as read once the stream gets here (after a graph that staged it
+        in): `writable` hands it out again only then."""
+        self._uploaded[self._side].record(stream)
 
     def upload(self, stream: cp.cuda.Stream, upto: str | None = None) -> None:
         """Copy the current host side (or its prefix ending with field `upto`) to the device."""
@@ -555,7 +571,7 @@ class CudaRunner:
         # the last step submitted: where each sampling sequence's token is in `sampled` (the
         # rows of a step launched ahead with pending_tokens take theirs from there)
         self._sampled_at: dict[int, int] = {}
-        self.graphs: dict[int, cp.cuda.Graph] = {}
+        self.graphs: dict[int, tuple[cp.cuda.Graph, cp.cuda.Graph]] = {}  # bucket -> one a host side
         # token count -> the graphs of a ragged step's layers between its attentions (_capture_ragged)
         self.ragged_graphs: dict[int, list[cp.cuda.Graph]] = {}
         if self.quant_fp8:
@@ -1057,9 +1073,13 @@ class CudaRunner:
                       pdl=self._launch_pdl, host_out=self._outputs.sampled,
                       logprobs=(b.lp_value, b.lp_rank, b.lp_top_ids, b.lp_top_values))
 
-    def _decode_body(self, n: int) -> None:
-        """One decode step for n rows (a bucket): no host work, no branches on data."""
+    def _decode_body(self, n: int, side: int | None = None) -> None:
+        """One decode step for n rows (a bucket): no host work, no branches on data. side: its
+        inputs read from that host side first (StagedInputs.stage_in; the decode graphs), else
+        as uploaded before it."""
         cfg, b, w = self.config, self.buffers, self.weights
+        if side is not None:
+            b.inputs.stage_in(side, "banned_n")
         d = b.inputs.dev
         embedding(d["input_ids"][:n], w.embed_tokens, self._residual(n), pdl=self._launch_pdl,
                   src=d["token_src"][:n], sampled=b.sampled)
@@ -1126,6 +1146,8 @@ class CudaRunner:
             self._launch_pdl = False
 
     def _capture_each_bucket(self) -> None:
+        """Two graphs a bucket, one for each host side of the step inputs (their first kernel
+        reads that side: _decode_body's `side`)."""
         for _ in range(2):  # both host sides, for steps that fill only their rows
             self.buffers.inputs.writable()
             self._fill_padding(0, self.rows)
@@ -1134,17 +1156,25 @@ class CudaRunner:
             if bucket > self.rows:
                 break
             with self.stream:
-                self._decode_body(bucket)  # warm-up: compiles, cuBLAS picks algorithms
+                self._decode_body(bucket, side=0)  # warm-up: compiles, cuBLAS picks algorithms
                 self.stream.synchronize()
-                self.stream.begin_capture()
-                try:
-                    self._decode_body(bucket)
-                except Exception:
-                    self.stream.end_capture()
-                    log.exception("could not capture the decode graph for %d rows; it runs eagerly", bucket)
-                    continue
-                self.graphs[bucket] = self.stream.end_capture()
+                graphs = []
+                for side in range(2):
+                    self.stream.begin_capture()
+                    try:
+                        self._decode_body(bucket, side)
+                    except Exception:
+                        self.stream.end_capture()
+                        log.exception("could not capture the decode graph for %d rows; it runs eagerly", bucket)
+                        break
+                    graphs.append(self.stream.end_capture())
+                else:
+                    self.graphs[bucket] = tuple(graphs)
         self.stream.synchronize()
+
+    def decode_graph(self, n: int) -> cp.cuda.Graph:
+        """The decode graph for n rows that reads the host side the last step filled."""
+        return self.graphs[bucket_for(n)][self.buffers.inputs.side]
 
     def _capture_ragged(self) -> None:
         """The graphs of ragged steps (RAGGED_GRAPH_TOKENS): for each token count, _ragged_body
@@ -1511,13 +1541,16 @@ class CudaRunner:
         start, end, _ = self._outputs.events[slot]
         timed = self._decode_steps % ROOFLINE_EVERY == 0
         self._decode_steps += 1
+        graphs = self.graphs.get(bucket)
         with self.stream:
-            inputs.upload(self.stream, upto=None if extra else "banned_n")
+            if graphs is None or extra:  # a graph reads the fields up to banned_n itself
+                inputs.upload(self.stream, upto=None if extra else "banned_n")
             self._sampled_at = {r.seq_id: i for i, r in enumerate(rows)}
             if timed:
                 start.record(self.stream)
-            if bucket in self.graphs:
-                self.graphs[bucket].launch(self.stream)
+            if graphs is not None:
+                graphs[inputs.side].launch(self.stream)
+                inputs.read(self.stream)
             else:
                 self._decode_body(bucket)
             if timed:
