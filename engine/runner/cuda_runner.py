@@ -301,7 +301,7 @@ class StagedInputs:
     def stage_in(self, side: int, upto: str) -> None:
         """On the current stream: the device buffer's prefix ending with field `upto` read from
         host side `side` by a kernel (a graph captures it with a fixed side)."""
-        stage_in(self._pinned[side].ptr, self.device_bytes, self._ends[upto])
+        stage_in(self._pinned[side].ptr, self.device_bytes, -(-self._ends[upto] // 16) * 16)  # fields pad to 256
 
     def read(self, stream: cp.cuda.Stream) -> None:
         """Mark the current side as read once the stream gets here (after a graph that staged it
