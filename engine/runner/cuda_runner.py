@@ -277,7 +277,7 @@ class StagedInputs:
         for _ in range(2):
             pinned = cp.cuda.PinnedMemoryPointer(cp.cuda.PinnedMemory(total, cp.cuda.runtime.hostAllocMapped), 0)
             host_bytes = np.frombuffer(pinned, np.uint8, total)
-            host_bytes[:] = 0  # pinned memory comes back from the pool as it was left
+            host_bytes[:] = 0  # padding rows and fields no step has filled yet read as zeros
             self._pinned.append(pinned)
             self._hosts.append({name: host_bytes[off:off + n].view(dtype).reshape(shape)
                                 for name, (dtype, shape) in fields.items() for off, n in [offsets[name]]})
