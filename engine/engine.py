@@ -328,11 +328,12 @@ class EngineAPI:
                 out = await queue.get()
                 # a consumer that fell behind gets what is waiting as one delta: under load
                 # (hundreds of streams) that is fewer events to serialize, not more latency
-                if not queue.empty() and not out.finished and out.error is None:
+                if not queue.empty():
                     waiting = [out]
-                    while not queue.empty() and not waiting[-1].finished and waiting[-1].error is None:
+                    while not waiting[-1].finished and waiting[-1].error is None and not queue.empty():
                         waiting.append(queue.get_nowait())
-                    out = RequestOutput.merged(waiting)
+                    if len(waiting) > 1:
+                        out = RequestOutput.merged(waiting)
                 finished = out.finished
                 yield out
         finally:

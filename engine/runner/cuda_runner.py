@@ -56,7 +56,7 @@ from ..loader.quants import q8_0_split
 from ..loader.random_model import WEIGHT_STD, RandomWeights
 from ..loader.weights import Weights
 from ..outputs import RunnerOutput, ScheduledSeq, SchedulerOutput, TokenLogprobs
-from ..request import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
+from ..request import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingParams
 from .numpy_runner import rope_tables
 from .packing import ModelWeights, pack_model
 
@@ -65,6 +65,22 @@ log = logging.getLogger("cuserve.cuda")
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 MAX_BANNED = MAX_STOP_TOKEN_IDS + 8  # stop_token_ids + eos ids while min_tokens holds
 GRAPH_RESERVE_BYTES = 512 << 20  # left free for cuBLAS workspaces and graph instantiation
+# A sequence's sampling values that do not change (CudaRunner._param_rows, in this order:
+# _param_values): those staged for each row as they are, and two the host reads (min_tokens,
+# whether a penalty applies)
+PARAM_FIELDS = {"temperature": np.float32, "top_k": np.int32, "top_p": np.float32, "min_p": np.float32,
+                "rep_pen": np.float32, "freq_pen": np.float32, "pres_pen": np.float32, "lp_n": np.int32,
+                "bias_n": np.int32, "min_tokens": np.int64, "penalized": np.bool_}
+PARAM_STAGED = tuple(name for name in PARAM_FIELDS if name not in ("min_tokens", "penalized"))
+
+
+def _param_values(p: SamplingParams) -> tuple:
+    """p's values of PARAM_FIELDS, in its order."""
+    return (p.temperature, p.top_k or 0, p.top_p, p.min_p, p.repetition_penalty, p.frequency_penalty,
+            p.presence_penalty, -1 if p.logprobs is None else p.logprobs, len(p.logit_bias), p.min_tokens,
+            p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty))
+
+
 # Ragged steps (prefill, mixed) of up to the last of these tokens (the default step budget)
 # replay graphs of their layers, captured for each of these token counts (the step padded to
 # the next one), with the attention launched between them (_capture_ragged). Launched eagerly,
@@ -73,12 +89,6 @@ GRAPH_RESERVE_BYTES = 512 << 20  # left free for cuBLAS workspaces and graph ins
 # (SmolLM2, 2,048 tokens: 8-13 ms a step). Larger steps launch eagerly. Each count stays in its
 # power-of-two bucket of rows, where cuBLASLt's algorithm is chosen (gemm._Lt.plan), so padding
 # changes no product's algorithm.
-# A sequence's sampling values that do not change (CudaRunner._param_rows): those staged for
-# each row as they are, and two the host reads (min_tokens, whether a penalty applies)
-PARAM_FIELDS = {"temperature": np.float32, "top_k": np.int32, "top_p": np.float32, "min_p": np.float32,
-                "rep_pen": np.float32, "freq_pen": np.float32, "pres_pen": np.float32, "lp_n": np.int32,
-                "bias_n": np.int32, "min_tokens": np.int64, "penalized": np.bool_}
-PARAM_STAGED = ("temperature", "top_k", "top_p", "min_p", "rep_pen", "freq_pen", "pres_pen", "lp_n", "bias_n")
 RAGGED_GRAPH_TOKENS = (16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1152, 1280, 1408,
                        1536, 1664, 1792, 1920, 2048)
 # The decode attention keeps up to ~222 KB of shared memory on an SM; a kernel that starts
@@ -1426,14 +1436,8 @@ class CudaRunner:
                     entry = slot_of.get(r.seq_id, -1)  # held for other parameters: taken over
                     at[i] = entry = entry if entry >= 0 else self._free_param_slots.pop()
                     slot_of[r.seq_id] = entry
-                    p = owner[entry] = r.sampling
-                    for name, value in (("temperature", p.temperature), ("top_k", p.top_k or 0), ("top_p", p.top_p),
-                                        ("min_p", p.min_p), ("rep_pen", p.repetition_penalty),
-                                        ("freq_pen", p.frequency_penalty), ("pres_pen", p.presence_penalty),
-                                        ("lp_n", -1 if p.logprobs is None else p.logprobs),
-                                        ("bias_n", len(p.logit_bias)), ("min_tokens", p.min_tokens),
-                                        ("penalized", p.repetition_penalty != 1.0 or bool(p.frequency_penalty)
-                                         or bool(p.presence_penalty))):
+                    owner[entry] = r.sampling
+                    for name, value in zip(PARAM_FIELDS, _param_values(r.sampling)):
                         table[name][entry] = value
         return np.array(at, np.intp)
 
