@@ -49,8 +49,13 @@ __device__ __forceinline__ res_t res_from_float(float x) { return x; }
 // stream-serialization attribute may start while the previous one finishes; it must
 // wait for that one's results before touching memory the previous kernels write, and
 // lets the next kernel start at once. Every kernel opens with PDL_ENTER() (the matrix
-// products first prefetch their weights, which nothing writes). Without the attribute
-// (or before sm_90) both are no-ops.
+// products first prefetch their weights, which nothing writes). Since every kernel lets the
+// next one start only after its own wait, a kernel starts after the one before the previous
+// has completed: before its wait it may also read what only kernels two or more before it, or
+// copies before them, write. A step's staged inputs (positions, K/V pointers and lengths,
+// sampling parameters: a copy, or stage_in two or more kernels ahead) are read there by
+// flash_decode, gemv.cu's RopeKV and sample_tokens. Without the attribute (or before sm_90) both
+// are no-ops.
 // -DSTAMPS=1 (bench/kernels.py --timeline): block (0, 0, 0) of every kernel also writes the
 // global timer, past the wait, to the next slot of stamp_buf (_module.Timeline sets it; its
 // first word counts the slots taken), so a graph's kernels can be timed where they run, PDL

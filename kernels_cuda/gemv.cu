@@ -284,13 +284,21 @@ __device__ __forceinline__ bool halves(const float *v, int q, float lo[4], float
     return TILES == 2 || q < 2;
 }
 
+// An epilogue also has a Pre: what its store reads besides the sums that nothing in this step writes
+// after the kernel before the previous one (staged positions and pointers, tables, biases), which
+// pre() loads before the wait for the previous kernel, so that the store waits on no load of its own.
+struct NoPre {};
+
 template <int TILES>
 struct Plain {
     float *y;
     int N;
+    using Pre = NoPre;
     __device__ long long row(int bx, int s) const { return (long long)bx * 8 * TILES + s; }
     template <bool WIDE>
-    __device__ void store(int bx, int g, int q, const float *v, int B) const {
+    __device__ Pre pre(int, int, int, int) const { return {}; }
+    template <bool WIDE>
+    __device__ void store(int bx, int g, int q, const float *v, int B, const Pre &) const {
 #pragma unroll
         for (int t = 0; t < TILES; t++)
 #pragma unroll
@@ -308,9 +316,12 @@ struct SiluMul {  // weight rows [gate (inter) | up (inter)], inter % (4 TILES) 
     scalar_t *act;  // (B, inter)
     int inter;
     static constexpr int PER = 4 * TILES;  // gate (and up) rows of a block
+    using Pre = NoPre;
     __device__ long long row(int bx, int s) const { return (s < PER ? 0 : inter) + (long long)bx * PER + s % PER; }
     template <bool WIDE>
-    __device__ void store(int bx, int g, int q, const float *v, int B) const {
+    __device__ Pre pre(int, int, int, int) const { return {}; }
+    template <bool WIDE>
+    __device__ void store(int bx, int g, int q, const float *v, int B, const Pre &) const {
         float gate[4], up[4];
         if (!halves<TILES>(v, q, gate, up)) return;
 #pragma unroll
@@ -337,6 +348,17 @@ struct RopeKV {  // weight rows [q (H heads) | k (KVH) | v (KVH)] of HEAD_DIM; H
     long long layer_offset;
     int heads, kv_heads;
     static constexpr int PER = 4 * TILES;  // (j, j + HALF) pairs of a block
+    // A lane's rows g and g + 8 (h = 0, 1): where their values go, and for a pair block the
+    // cos / sin of the lane's pairs j = 0, 1 at the row's position; the biases of its slots.
+    // The positions and pointers are staged inputs (written by a copy or stage_in, at least two
+    // kernels before any product of a step): with its loads before the wait, the store after
+    // the sums waits on none (H200, SmolLM2 B=1: two L2 round trips a QKV product fewer).
+    struct Pre {
+        scalar_t *q[2];  // pair blocks of q heads: the head's row in q_out
+        kv_t *kv[2];     // pair blocks of k heads: the head's K row; v blocks: the V row
+        float c[2][2], s[2][2];
+        float b1[2 * TILES], b2[2 * TILES];  // pair blocks: biases of x1, x2 (pair j); v blocks: of slot 2 t + j
+    };
     __device__ int pair_blocks() const { return (heads + kv_heads) * HALF / PER; }
     __device__ long long row(int bx, int s) const {
         if (bx >= pair_blocks())
@@ -344,51 +366,84 @@ struct RopeKV {  // weight rows [q (H heads) | k (KVH) | v (KVH)] of HEAD_DIM; H
         const int p = bx * PER + s % PER;
         return (long long)(p / HALF) * HEAD_DIM + p % HALF + (s < PER ? 0 : HALF);
     }
-    __device__ float biased(float x, long long n) const { return bias != nullptr ? x + bias[n] : x; }
-    __device__ void rotate_store(int t, int p, float x1, float x2) const {
-        const int head = p / HALF, j = p % HALF;
-        const long long n1 = (long long)head * HEAD_DIM + j;
-        x1 = biased(x1, n1);
-        x2 = biased(x2, n1 + HALF);
-        const int pos = positions[t];
-        float o1, o2;
-        rope_rotate(x1, x2, cos_table[(long long)pos * HALF + j], sin_table[(long long)pos * HALF + j], o1, o2);
-        if (head < heads) {
-            scalar_t *dst = q_out + ((long long)t * heads + head) * HEAD_DIM;
-            dst[j] = from_float(o1);
-            dst[j + HALF] = from_float(o2);
-        } else {
-            kv_t *dst = kv_row(k_ptrs, t, layer_offset, pos, kv_heads * HEAD_DIM) + (head - heads) * HEAD_DIM;
-            dst[j] = to_kv(o1);
-            dst[j + HALF] = to_kv(o2);
+    __device__ float bias_of(long long n) const { return bias != nullptr ? bias[n] : 0.0f; }
+    __device__ float biased(float x, float b) const { return bias != nullptr ? x + b : x; }  // as rope.cu adds it
+    template <bool WIDE>
+    __device__ Pre pre(int bx, int g, int q, int B) const {
+        Pre r;
+        const int kv_width = kv_heads * HEAD_DIM;
+        if (bx < pair_blocks()) {
+            const int head = bx * PER / HALF;  // HALF % PER == 0: one head a block
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                const long long n1 = (long long)head * HEAD_DIM + (bx * PER + 2 * q + j) % HALF;
+                r.b1[j] = bias_of(n1);
+                r.b2[j] = bias_of(n1 + HALF);
+            }
+#pragma unroll
+            for (int h = 0; h < (WIDE ? 2 : 1); h++) {
+                const int t = g + 8 * h;
+                if (t >= B) continue;
+                const int pos = positions[t];
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    const long long at = (long long)pos * HALF + (bx * PER + 2 * q + j) % HALF;
+                    r.c[h][j] = cos_table[at];
+                    r.s[h][j] = sin_table[at];
+                }
+                if (head < heads)
+                    r.q[h] = q_out + ((long long)t * heads + head) * HEAD_DIM;
+                else
+                    r.kv[h] = kv_row(k_ptrs, t, layer_offset, pos, kv_width) + (head - heads) * HEAD_DIM;
+            }
+            return r;
         }
+        const int v_off = (heads + kv_heads) * HEAD_DIM;
+#pragma unroll
+        for (int t = 0; t < TILES; t++)
+#pragma unroll
+            for (int j = 0; j < 2; j++) r.b1[2 * t + j] = bias_of(v_off + (bx - pair_blocks()) * 8 * TILES + 8 * t + 2 * q + j);
+#pragma unroll
+        for (int h = 0; h < (WIDE ? 2 : 1); h++) {
+            const int t = g + 8 * h;
+            if (t < B) r.kv[h] = kv_row(v_ptrs, t, layer_offset, positions[t], kv_width);
+        }
+        return r;
     }
     template <bool WIDE>
-    __device__ void store(int bx, int g, int q, const float *v, int B) const {
+    __device__ void store(int bx, int g, int q, const float *v, int B, const Pre &r) const {
         if (bx < pair_blocks()) {
             float x1[4], x2[4];
             if (!halves<TILES>(v, q, x1, x2)) return;
+            const bool is_q = bx * PER / HALF < heads;
 #pragma unroll
-            for (int j = 0; j < 2; j++) {
-                const int p = bx * PER + 2 * q + j;
-                if (g < B) rotate_store(g, p, x1[j], x2[j]);
-                if (WIDE && g + 8 < B) rotate_store(g + 8, p, x1[2 + j], x2[2 + j]);
+            for (int h = 0; h < (WIDE ? 2 : 1); h++) {
+                if (g + 8 * h >= B) continue;
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    const int d = (bx * PER + 2 * q + j) % HALF;
+                    float o1, o2;
+                    rope_rotate(biased(x1[2 * h + j], r.b1[j]), biased(x2[2 * h + j], r.b2[j]), r.c[h][j], r.s[h][j],
+                                o1, o2);
+                    if (is_q) {
+                        r.q[h][d] = from_float(o1);
+                        r.q[h][d + HALF] = from_float(o2);
+                    } else {
+                        r.kv[h][d] = to_kv(o1);
+                        r.kv[h][d + HALF] = to_kv(o2);
+                    }
+                }
             }
             return;
         }
-        const int v_off = (heads + kv_heads) * HEAD_DIM;
 #pragma unroll
         for (int t = 0; t < TILES; t++)
 #pragma unroll
             for (int j = 0; j < 2; j++) {
                 const int f = (bx - pair_blocks()) * 8 * TILES + 8 * t + 2 * q + j;  // dim within the v rows
 #pragma unroll
-                for (int half = 0; half < (WIDE ? 2 : 1); half++) {
-                    const int r = g + 8 * half;
-                    if (r < B)
-                        kv_row(v_ptrs, r, layer_offset, positions[r], kv_heads * HEAD_DIM)[f] =
-                            to_kv(biased(v[4 * t + 2 * half + j], v_off + f));
-                }
+                for (int h = 0; h < (WIDE ? 2 : 1); h++)
+                    if (g + 8 * h < B) r.kv[h][f] = to_kv(biased(v[4 * t + 2 * h + j], r.b1[2 * t + j]));
             }
     }
 };
@@ -525,6 +580,8 @@ __device__ __forceinline__ void skinny(const scalar_t *__restrict__ x, const w_t
         load_weights<TILES, true>(wrow, wv, warp, 0, q, groups, srow, dv);
 #endif
 #endif
+    typename Epilogue::Pre pre;  // warp 0 stores
+    if (warp == 0) pre = epi.template pre<WIDE>(bx, g, q, B);
     PDL_ENTER();
 #if NORM_IN
     extern __shared__ __align__(16) unsigned char x_smem[];  // (B, K) 16-bit
@@ -609,11 +666,12 @@ __device__ __forceinline__ void skinny(const scalar_t *__restrict__ x, const w_t
             s[i] *= wscale[n < N ? n : 0];
         }
 #endif
-        epi.template store<WIDE>(bx, g, q, s, B);
+        epi.template store<WIDE>(bx, g, q, s, B, pre);
     }
 #if TILE_LOOP
     if (next >= tiles) break;
     bx = next;
+    if (warp == 0) pre = epi.template pre<WIDE>(bx, g, q, B);
     __syncthreads();  // part: warp 0 has read this tile's
     }
 #endif

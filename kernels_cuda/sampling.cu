@@ -141,11 +141,15 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_tokens(
     // null, or per row: how many top logprobs (-1: none) of the sampled token (token_logprobs' outputs)
     const int *__restrict__ lp_n, float *__restrict__ out_lp, int *__restrict__ out_rank,
     int *__restrict__ top_ids, float *__restrict__ top_lp, int max_top) {
-    PDL_ENTER();
     const int row = blockIdx.x, tid = threadIdx.x;
+    // the row's parameters are staged inputs (a copy or stage_in, kernels before the LM head):
+    // loaded before the wait, so that neither the branches below nor the token's store wait on them
+    const int slot = pen_slot[row], nb = bias_n[row], nban = banned_n[row];
+    const float temp = temperature[row];
+    const int out_at = host_out != nullptr ? out_index[row] : 0, n_lp = lp_n != nullptr ? lp_n[row] : -1;
+    PDL_ENTER();
     const float *raw = logits + (long long)row * V;
     float *w = work + (long long)row * V;
-    const int slot = pen_slot[row], nb = bias_n[row], nban = banned_n[row];
     const float *src = raw;
     if (slot >= 0 || nb > 0 || nban > 0) {
         for (int v = tid; v < V; v += THREADS) w[v] = raw[v];
@@ -171,7 +175,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_tokens(
     }
 
     int token;
-    const float temp = temperature[row];
     if (temp == 0.0f) {
         float bv = NEG_INF;
         int bi = 0x7fffffff;
@@ -270,12 +273,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_tokens(
     }
     if (tid == 0) {
         sampled[row] = token;
-        if (host_out != nullptr) host_out[out_index[row]] = token;  // visible to the host once the step is done
+        if (host_out != nullptr) host_out[out_at] = token;  // visible to the host once the step is done
         if (slot >= 0) counts[(long long)slot * V + token] += 1;
     }
-    if (lp_n != nullptr && lp_n[row] >= 0) {  // in this kernel: a decode step ends one launch sooner
+    if (n_lp >= 0) {  // in this kernel: a decode step ends one launch sooner
         __syncthreads();
-        row_logprobs(raw, V, lp_n[row], token, row, out_lp, out_rank, top_ids, top_lp, max_top);
+        row_logprobs(raw, V, n_lp, token, row, out_lp, out_rank, top_ids, top_lp, max_top);
     }
 }
 

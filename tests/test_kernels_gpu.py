@@ -622,16 +622,18 @@ def test_gemv_silu_is_gemv_then_silu_mul(dtype, B, wfp8, inter):
 @pytest.mark.parametrize("B", [1, 11])
 @pytest.mark.parametrize("kv8", [False, True], ids=["kv16", "kv8"])
 @pytest.mark.parametrize("wfp8", [False, True], ids=["w16", "w8"])
-def test_gemv_rope_is_gemv_then_rope_kv_write(dtype, head_dim, B, kv8, wfp8):
-    """The QKV product with RoPE and the K/V write in its epilogue gives the bits of the two
-    kernels: q, and the cache (other slots and layers untouched)."""
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_gemv_rope_is_gemv_then_rope_kv_write(dtype, head_dim, B, kv8, wfp8, with_bias):
+    """The QKV product with RoPE and the K/V write in its epilogue (its positions, tables,
+    pointers and biases loaded before the wait) gives the bits of the two kernels: q, and the
+    cache (other slots and layers untouched)."""
     from kernels_cuda.gemv import gemv, gemv_rope
     from kernels_cuda.rope import rope_kv_write
     H, KVH, K, layers, layer = 6, 2, 144, 2, 1
     width = (H + 2 * KVH) * head_dim
     x = to_dev(rng.standard_normal((B, K)).astype(np.float32), dtype)
     w = maybe_fp8(to_dev(rng.standard_normal((width, K)).astype(np.float32) * 0.2, dtype), wfp8)
-    bias = cp.asarray(rng.standard_normal(width).astype(np.float32))
+    bias = cp.asarray(rng.standard_normal(width).astype(np.float32)) if with_bias else None
     pos = cp.asarray(rng.integers(0, 30, B).astype(np.int32))
     ang = np.arange(32)[:, None] / 10000 ** (np.arange(0, head_dim, 2) / head_dim)[None]
     cos, sin = cp.asarray(np.cos(ang).astype(np.float32)), cp.asarray(np.sin(ang).astype(np.float32))
