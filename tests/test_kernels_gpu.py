@@ -150,20 +150,93 @@ def test_stage_in_reads_mapped_host_memory(nbytes):
             stage_in(host.ctypes.data, dst, bad)
 
 
+def sampling_params(temperature: list[float]) -> dict[str, cp.ndarray]:
+    """sample_tokens' per-row parameters: the given temperatures, no top-k / top-p / min-p,
+    penalties, biases or bans; out_index R + row, no logprobs."""
+    R = len(temperature)
+    f32, i32 = (lambda v: cp.asarray(np.array(v, np.float32))), (lambda v: cp.asarray(np.array(v, np.int32)))
+    return {"temperature": f32(temperature), "top_k": i32([0] * R), "top_p": f32([1.0] * R),
+            "min_p": f32([0.0] * R), "rep_pen": f32([1.0] * R), "freq_pen": f32([0.0] * R),
+            "pres_pen": f32([0.0] * R), "seeds": cp.arange(R, dtype=cp.uint64), "counters": i32([0] * R),
+            "pen_slot": i32([-1] * R), "bias_n": i32([0] * R), "banned_n": i32([0] * R),
+            "bias_ids": cp.zeros((R, 1), cp.int32), "bias_vals": cp.zeros((R, 1), cp.float32),
+            "banned_ids": cp.zeros((R, 1), cp.int32), "lp_n": i32([-1] * R), "out_index": i32(np.arange(R) + R)}
+
+
+@pytest.mark.parametrize("V", [3001, 3000, 49152, 128256])  # not a multiple of 4 (scalar loads); SmolLM2's; Llama-3's
+def test_greedy_sampling_takes_the_first_largest_logit(V):
+    """A greedy row's token is the first index of its largest logit (NaN never wins, a row of
+    -inf gives 0), at vocabularies read with 16-byte loads and without; ties planted across
+    threads, batches of loads and the last partial batch."""
+    from kernels_cuda.sampling import sample_tokens
+    R = 6
+    x = (rng.standard_normal((R, V)) * 3).astype(np.float32)
+    top = x.max() + 1
+    x[1, [V - 1, V // 2, 7]] = top  # ties: the lowest index wins
+    x[2, [5, (4 * 1024 * 8 + 3) % V]] = top  # a tie across threads (and two batches of loads, where V is long)
+    x[3, :] = -np.inf
+    x[4, ::97] = np.nan
+    x[5, V - 1] = top  # the last value
+    sampled = cp.full(R, -1, cp.int32)
+    sample_tokens(cp.asarray(x), cp.empty((R, V), cp.float32), sampling_params([0.0] * R), cp.zeros((1, V), cp.int32),
+                  cp.zeros((1, (V + 31) // 32), cp.uint32), sampled)
+    want = np.nanargmax(np.where(np.isnan(x), -np.inf, x), axis=1)
+    np.testing.assert_array_equal(cp.asnumpy(sampled), want)
+    assert want[1] == 7 and want[3] == 0 and want[5] == V - 1
+
+
+def kept_probs(x: np.ndarray, temperature: float, top_k: int) -> np.ndarray:
+    """The probabilities after temperature and top-k (ties with the k-th largest stay), float64."""
+    s = x.astype(np.float64) / temperature
+    keep = s >= np.sort(s)[-top_k] if top_k else np.ones(s.size, bool)
+    p = np.where(keep, np.exp(s - s.max()), 0.0)
+    return p / p.sum()
+
+
+@pytest.mark.parametrize("V", [3001, 49152])
+def test_top_k_and_top_p_draw_only_from_what_they_keep(V):
+    """Sampled rows (temperature, top-k, top-p, both) draw only tokens their filters keep (ties
+    with the k-th largest logit included), and more than one of them over 512 draws: the
+    thresholds (found by radix select) are the filters' own. top_p sits halfway between the
+    masses of the n and n + 1 most likely tokens, so the nucleus is those n."""
+    from kernels_cuda.sampling import sample_tokens
+    R, temp = 128, 0.8
+    r = np.random.default_rng(5)
+    x = (r.standard_normal(V) * 0.5).astype(np.float32)
+    head = r.permutation(V)[:12]
+    x[head] = (8.0 + 0.25 * np.arange(12)).astype(np.float32)
+    x[head[6]] = x[head[7]]  # a tie at the 5th largest: top-k 5 keeps 6 tokens
+    logits = cp.asarray(np.tile(x, (R, 1)))
+    for k, n in [(5, None), (0, 4), (8, 3), (0, 7)]:  # top-k, tokens the nucleus holds (None: top_p 1)
+        p = kept_probs(x, temp, k)
+        tp, want = 1.0, set(np.flatnonzero(p))
+        if n is not None:
+            cum = np.cumsum(np.sort(p)[::-1])
+            tp = float((cum[n - 2] + cum[n - 1]) / 2)
+            want = set(np.argsort(-p, kind="stable")[:n])
+        assert len(want) == (6 if k == 5 else n)
+        params = sampling_params([temp] * R)
+        params["top_k"][:] = k
+        params["top_p"][:] = tp
+        drawn = []
+        for start in range(0, 4 * R, R):
+            params["counters"] = cp.arange(start, start + R, dtype=cp.int32)
+            sampled = cp.full(R, -1, cp.int32)
+            sample_tokens(logits, cp.empty_like(logits), params, cp.zeros((1, V), cp.int32),
+                          cp.zeros((1, (V + 31) // 32), cp.uint32), sampled)
+            drawn += cp.asnumpy(sampled).tolist()
+        assert set(drawn) <= want, (k, tp, sorted(set(drawn) - want))
+        assert len(set(drawn)) >= 3, (k, tp, set(drawn))
+
+
 def test_sampling_writes_the_host_and_logprobs_of_its_tokens():
     """sample_tokens with host_out and logprobs: each row's token also lands in pinned host
     memory at its out_index, and its logprobs are token_logprobs' (same bits) for that token."""
     from kernels_cuda.sampling import sample_tokens, token_logprobs
     R, V, top = 5, 3000, 4
     logits = cp.asarray(rng.standard_normal((R, V)).astype(np.float32) * 3)
-    f32, i32 = (lambda v: cp.asarray(np.array(v, np.float32))), (lambda v: cp.asarray(np.array(v, np.int32)))
-    lp_n = i32([2, -1, 0, 3, -1])
-    params = {"temperature": f32([0, 0, 0.8, 0, 1.0]), "top_k": i32([0] * R), "top_p": f32([1.0] * R),
-              "min_p": f32([0.0] * R), "rep_pen": f32([1.0] * R), "freq_pen": f32([0.0] * R),
-              "pres_pen": f32([0.0] * R), "seeds": cp.arange(R, dtype=cp.uint64), "counters": i32([0] * R),
-              "pen_slot": i32([-1] * R), "bias_n": i32([0] * R), "banned_n": i32([0] * R),
-              "bias_ids": cp.zeros((R, 1), cp.int32), "bias_vals": cp.zeros((R, 1), cp.float32),
-              "banned_ids": cp.zeros((R, 1), cp.int32), "lp_n": lp_n, "out_index": i32(np.arange(R) + R)}
+    params = sampling_params([0, 0, 0.8, 0, 1.0])
+    lp_n = params["lp_n"] = cp.asarray(np.array([2, -1, 0, 3, -1], np.int32))
     mem = cp.cuda.PinnedMemory(2 * R * 4, cp.cuda.runtime.hostAllocMapped)
     host = np.frombuffer(cp.cuda.PinnedMemoryPointer(mem, 0), np.int32, 2 * R)
     host[:] = -7
