@@ -12,6 +12,7 @@ alone vs a whole runner step (the difference is host work).
     python bench/kernels.py --mixed 252,576,4,448 --quantization fp8 --kv-cache-dtype fp8  # a mixed step by kernel
     python bench/kernels.py --attention 512,2048,4x512 --kv-cache-dtype fp8   # prefill attention alone, and stop
     python bench/kernels.py --read-patterns   # HBM reads of the skinny GEMM's grid by warp load pattern, and stop
+    python bench/kernels.py --shape smollm2-135m --batch 1,128 --sampling   # the sampling kernel alone, and stop
 """
 
 from __future__ import annotations
@@ -540,6 +541,30 @@ def mixed_table(shape_name: str, decodes: int, context: int, prompts: int, promp
     return out
 
 
+SAMPLING_CASES = (("greedy", 0.0, 0, 1.0), ("t 0.8", 0.8, 0, 1.0), ("t 0.8 top_p 0.9", 0.8, 0, 0.9),
+                  ("t 0.8 top_k 50", 0.8, 50, 1.0), ("t 0.8 top_k 50 top_p 0.9", 0.8, 50, 0.9))
+
+
+def sampling_table(vocab: int, batches: list[int]) -> list[str]:
+    """sample_tokens alone (graphs of ten launches), us a launch, at these row counts of random
+    logits (scale 3) of the vocabulary: greedy against temperature, top-p and top-k rows."""
+    import numpy as np
+
+    from kernels_cuda.sampling import plain_params, sample_tokens
+    rng = np.random.default_rng(0)
+    out = [f"sampling, vocab {vocab}, us a launch: " + " | ".join(c[0] for c in SAMPLING_CASES)]
+    for rows in batches:
+        logits = cp.asarray((rng.standard_normal((rows, vocab)) * 3).astype(np.float32))
+        work, sampled = cp.empty_like(logits), cp.zeros(rows, cp.int32)
+        counts, mask = cp.zeros((1, vocab), cp.int32), cp.zeros((1, (vocab + 31) // 32), cp.uint32)
+        times = []
+        for _, temperature, top_k, top_p in SAMPLING_CASES:
+            params = plain_params([temperature] * rows, top_k, top_p)
+            times.append(1e3 * time_graph(lambda p=params: sample_tokens(logits, work, p, counts, mask, sampled)))
+        out.append(f"  {rows:4d} rows: " + " | ".join(f"{t:8.1f}" for t in times))
+    return out
+
+
 def ncu_summary(csv_path: str) -> list[str]:
     """Per-kernel times of one profiled graph (ncu --csv --print-units base, metrics
     gpu__time_duration.sum and dram__bytes_read.sum), summed by kernel name."""
@@ -588,8 +613,14 @@ def main() -> None:
                     "inside them are timed too")
     ap.add_argument("--read-patterns", action="store_true", help="HBM read bandwidth of the skinny GEMM's grid by "
                     "the addresses a warp load covers (bench/read_patterns.cu), and stop")
+    ap.add_argument("--sampling", action="store_true", help="the sampling kernel alone at the shape's vocabulary, "
+                    "--batch rows: greedy, temperature, top-p, top-k (bench/kernels.py's SAMPLING_CASES), and stop")
     args = ap.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
+    if args.sampling:
+        from engine.loader.random_model import SHAPES
+        print("\n".join(sampling_table(SHAPES[args.shape]["vocab_size"], batches)))
+        return
     if args.read_patterns:
         print("\n".join(read_pattern_table()))
         return

@@ -62,6 +62,21 @@ def sample_tokens(logits: cp.ndarray, work: cp.ndarray, params: dict[str, cp.nda
     return sampled
 
 
+def plain_params(temperature: list[float], top_k: int = 0, top_p: float = 1.0) -> dict[str, cp.ndarray]:
+    """sample_tokens' per-row parameters for rows of these temperatures, each with this top-k and
+    top-p and no min-p, penalties, biases, bans or logprobs; row r's token goes to out_index r
+    (tests and bench/kernels.py)."""
+    R = len(temperature)
+    full = lambda v, dtype: cp.full(R, v, dtype)  # noqa: E731
+    return {"temperature": cp.asarray(np.array(temperature, np.float32)), "top_k": full(top_k, cp.int32),
+            "top_p": full(top_p, cp.float32), "min_p": full(0.0, cp.float32), "rep_pen": full(1.0, cp.float32),
+            "freq_pen": full(0.0, cp.float32), "pres_pen": full(0.0, cp.float32),
+            "seeds": cp.arange(R, dtype=cp.uint64), "counters": full(0, cp.int32), "pen_slot": full(-1, cp.int32),
+            "bias_n": full(0, cp.int32), "banned_n": full(0, cp.int32), "bias_ids": cp.zeros((R, 1), cp.int32),
+            "bias_vals": cp.zeros((R, 1), cp.float32), "banned_ids": cp.zeros((R, 1), cp.int32),
+            "lp_n": full(-1, cp.int32), "out_index": cp.arange(R, dtype=cp.int32)}
+
+
 def token_logprobs(logits: cp.ndarray, lp_n: cp.ndarray, target_ids: cp.ndarray, out_lp: cp.ndarray,
                    out_rank: cp.ndarray, top_ids: cp.ndarray, top_lp: cp.ndarray, rows: int | None = None,
                    pdl: bool = False) -> None:

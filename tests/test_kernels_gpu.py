@@ -150,25 +150,12 @@ def test_stage_in_reads_mapped_host_memory(nbytes):
             stage_in(host.ctypes.data, dst, bad)
 
 
-def sampling_params(temperature: list[float]) -> dict[str, cp.ndarray]:
-    """sample_tokens' per-row parameters: the given temperatures, no top-k / top-p / min-p,
-    penalties, biases or bans; out_index R + row, no logprobs."""
-    R = len(temperature)
-    f32, i32 = (lambda v: cp.asarray(np.array(v, np.float32))), (lambda v: cp.asarray(np.array(v, np.int32)))
-    return {"temperature": f32(temperature), "top_k": i32([0] * R), "top_p": f32([1.0] * R),
-            "min_p": f32([0.0] * R), "rep_pen": f32([1.0] * R), "freq_pen": f32([0.0] * R),
-            "pres_pen": f32([0.0] * R), "seeds": cp.arange(R, dtype=cp.uint64), "counters": i32([0] * R),
-            "pen_slot": i32([-1] * R), "bias_n": i32([0] * R), "banned_n": i32([0] * R),
-            "bias_ids": cp.zeros((R, 1), cp.int32), "bias_vals": cp.zeros((R, 1), cp.float32),
-            "banned_ids": cp.zeros((R, 1), cp.int32), "lp_n": i32([-1] * R), "out_index": i32(np.arange(R) + R)}
-
-
 @pytest.mark.parametrize("V", [3001, 3000, 49152, 128256])  # not a multiple of 4 (scalar loads); SmolLM2's; Llama-3's
 def test_greedy_sampling_takes_the_first_largest_logit(V):
     """A greedy row's token is the first index of its largest logit (NaN never wins, a row of
     -inf gives 0), at vocabularies read with 16-byte loads and without; ties planted across
     threads, batches of loads and the last partial batch."""
-    from kernels_cuda.sampling import sample_tokens
+    from kernels_cuda.sampling import plain_params, sample_tokens
     R = 6
     x = (rng.standard_normal((R, V)) * 3).astype(np.float32)
     top = x.max() + 1
@@ -178,7 +165,7 @@ def test_greedy_sampling_takes_the_first_largest_logit(V):
     x[4, ::97] = np.nan
     x[5, V - 1] = top  # the last value
     sampled = cp.full(R, -1, cp.int32)
-    sample_tokens(cp.asarray(x), cp.empty((R, V), cp.float32), sampling_params([0.0] * R), cp.zeros((1, V), cp.int32),
+    sample_tokens(cp.asarray(x), cp.empty((R, V), cp.float32), plain_params([0.0] * R), cp.zeros((1, V), cp.int32),
                   cp.zeros((1, (V + 31) // 32), cp.uint32), sampled)
     want = np.nanargmax(np.where(np.isnan(x), -np.inf, x), axis=1)
     np.testing.assert_array_equal(cp.asnumpy(sampled), want)
@@ -199,7 +186,7 @@ def test_top_k_and_top_p_draw_only_from_what_they_keep(V):
     with the k-th largest logit included), and more than one of them over 512 draws: the
     thresholds (found by radix select) are the filters' own. top_p sits halfway between the
     masses of the n and n + 1 most likely tokens, so the nucleus is those n."""
-    from kernels_cuda.sampling import sample_tokens
+    from kernels_cuda.sampling import plain_params, sample_tokens
     R, temp = 128, 0.8
     r = np.random.default_rng(5)
     x = (r.standard_normal(V) * 0.5).astype(np.float32)
@@ -215,9 +202,7 @@ def test_top_k_and_top_p_draw_only_from_what_they_keep(V):
             tp = float((cum[n - 2] + cum[n - 1]) / 2)
             want = set(np.argsort(-p, kind="stable")[:n])
         assert len(want) == (6 if k == 5 else n)
-        params = sampling_params([temp] * R)
-        params["top_k"][:] = k
-        params["top_p"][:] = tp
+        params = plain_params([temp] * R, top_k=k, top_p=tp)
         drawn = []
         for start in range(0, 4 * R, R):
             params["counters"] = cp.arange(start, start + R, dtype=cp.int32)
@@ -232,11 +217,12 @@ def test_top_k_and_top_p_draw_only_from_what_they_keep(V):
 def test_sampling_writes_the_host_and_logprobs_of_its_tokens():
     """sample_tokens with host_out and logprobs: each row's token also lands in pinned host
     memory at its out_index, and its logprobs are token_logprobs' (same bits) for that token."""
-    from kernels_cuda.sampling import sample_tokens, token_logprobs
+    from kernels_cuda.sampling import plain_params, sample_tokens, token_logprobs
     R, V, top = 5, 3000, 4
     logits = cp.asarray(rng.standard_normal((R, V)).astype(np.float32) * 3)
-    params = sampling_params([0, 0, 0.8, 0, 1.0])
+    params = plain_params([0, 0, 0.8, 0, 1.0])
     lp_n = params["lp_n"] = cp.asarray(np.array([2, -1, 0, 3, -1], np.int32))
+    params["out_index"] = params["out_index"] + R
     mem = cp.cuda.PinnedMemory(2 * R * 4, cp.cuda.runtime.hostAllocMapped)
     host = np.frombuffer(cp.cuda.PinnedMemoryPointer(mem, 0), np.int32, 2 * R)
     host[:] = -7
