@@ -150,17 +150,16 @@ def test_stage_in_reads_mapped_host_memory(nbytes):
             stage_in(host.ctypes.data, dst, bad)
 
 
-@pytest.mark.parametrize("V", [3001, 3000, 49152, 128256])  # not a multiple of 4 (scalar loads); SmolLM2's; Llama-3's
+@pytest.mark.parametrize("V", [3001, 3000, 49152, 128256])  # odd and even rows; SmolLM2's; Llama-3's
 def test_greedy_sampling_takes_the_first_largest_logit(V):
     """A greedy row's token is the first index of its largest logit (NaN never wins, a row of
-    -inf gives 0), at vocabularies read with 16-byte loads and without; ties planted across
-    threads, batches of loads and the last partial batch."""
+    -inf gives 0); ties planted within one thread's values, across threads, and at the last value."""
     from kernels_cuda.sampling import plain_params, sample_tokens
     R = 6
     x = (rng.standard_normal((R, V)) * 3).astype(np.float32)
     top = x.max() + 1
     x[1, [V - 1, V // 2, 7]] = top  # ties: the lowest index wins
-    x[2, [5, (4 * 1024 * 8 + 3) % V]] = top  # a tie across threads (and two batches of loads, where V is long)
+    x[2, [5, (4 * 1024 * 8 + 3) % V]] = top  # a tie across threads
     x[3, :] = -np.inf
     x[4, ::97] = np.nan
     x[5, V - 1] = top  # the last value
@@ -184,8 +183,8 @@ def kept_probs(x: np.ndarray, temperature: float, top_k: int) -> np.ndarray:
 def test_top_k_and_top_p_draw_only_from_what_they_keep(V):
     """Sampled rows (temperature, top-k, top-p, both) draw only tokens their filters keep (ties
     with the k-th largest logit included), and more than one of them over 512 draws: the
-    thresholds (found by radix select) are the filters' own. top_p sits halfway between the
-    masses of the n and n + 1 most likely tokens, so the nucleus is those n."""
+    thresholds the kernel finds are the filters' own. top_p sits halfway between the masses of
+    the n - 1 and n most likely tokens, so the nucleus is those n."""
     from kernels_cuda.sampling import plain_params, sample_tokens
     R, temp = 128, 0.8
     r = np.random.default_rng(5)
