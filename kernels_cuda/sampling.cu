@@ -2,7 +2,9 @@
 // (engine/runner/sampling.py): logit_bias, min_tokens bans, repetition / frequency /
 // presence penalties, then greedy, or temperature -> top-k -> min-p -> top-p and an
 // inverse-CDF draw in token-id order with the same splitmix64 uniform number.
-// Thresholds are found by bisection over the values' bit patterns instead of sorting.
+// Thresholds come from the few tokens that can pass them, gathered into shared memory
+// (sample_few), or, where those are many, by bisection over the values' bit patterns
+// (sample_bisect); a row with a temperature alone draws in two levels (sample_all).
 // One block of 1024 threads per row; rows whose parameters say "nothing to do" are cheap.
 #include "common.cuh"
 
@@ -118,6 +120,432 @@ __device__ __forceinline__ void row_logprobs(const float *__restrict__ x, int V,
     }
 }
 
+// A sampled row's token by bisection over the whole row: top-k's and top-p's thresholds in 32
+// passes each, then the draw with each thread's contiguous run of ids. Rows with no filter (a
+// temperature alone), and rows whose filters keep too many tokens for sample_few.
+__device__ __noinline__ int sample_bisect(const float *__restrict__ src, int V, float inv_t, float mx, int k,
+                                          float tp, float mp, float u) {
+    const int tid = threadIdx.x;
+    // top-k: the largest key K with count(key >= K) >= k
+    unsigned int kth_key = 0;
+    if (k > 0 && k < V) {
+        unsigned long long lo = 0, hi = 0x100000000ull;
+        while (hi - lo > 1) {
+            const unsigned long long mid = (lo + hi) >> 1;
+            float c = 0.0f;
+            for (int v = tid; v < V; v += THREADS) c += ord_key(src[v] * inv_t) >= mid ? 1.0f : 0.0f;
+            if (block_sum_f(c) >= (float)k) lo = mid; else hi = mid;
+        }
+        kth_key = (unsigned int)lo;
+    }
+    // unnormalised probabilities q = exp(s - max) of the allowed tokens (the max has q = 1)
+    float total = 0.0f;
+    for (int v = tid; v < V; v += THREADS) total += allowed_q(src[v], inv_t, mx, kth_key, mp);
+    total = block_sum_f(total);
+    // top-p: the largest key K whose tokens (q >= K) hold at least top_p of the mass
+    unsigned int p_key = 0;
+    if (tp < 1.0f) {
+        const float target = tp * total * (1.0f - 1e-6f);
+        unsigned long long lo = 0, hi = 0x100000000ull;
+        while (hi - lo > 1) {
+            const unsigned long long mid = (lo + hi) >> 1;
+            float m = 0.0f;
+            for (int v = tid; v < V; v += THREADS) {
+                const float q = allowed_q(src[v], inv_t, mx, kth_key, mp);
+                m += (q > 0.0f && ord_key(q) >= mid) ? q : 0.0f;
+            }
+            if (block_sum_f(m) >= target) lo = mid; else hi = mid;
+        }
+        p_key = (unsigned int)lo;
+        total = 0.0f;
+        for (int v = tid; v < V; v += THREADS) total += kept_q(src[v], inv_t, mx, kth_key, mp, p_key);
+        total = block_sum_f(total);
+    }
+    // inverse CDF in token-id order: each thread owns a contiguous run of ids
+    const float target = u * total;
+    const int per = (V + THREADS - 1) / THREADS;
+    const int v0 = tid * per, v1 = min(V, v0 + per);
+    float local = 0.0f;
+    int last_kept = -1;
+    for (int v = v0; v < v1; v++) {
+        const float q = kept_q(src[v], inv_t, mx, kth_key, mp, p_key);
+        local += q;
+        if (q > 0.0f) last_kept = v;
+    }
+    // exclusive prefix over threads
+    __shared__ float warp_tot[32];
+    __shared__ int chosen;
+    const int lane = tid & 31, warp = tid >> 5;
+    float incl = local;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const float y = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += y;
+    }
+    if (lane == 31) warp_tot[warp] = incl;
+    if (tid == 0) chosen = -1;
+    __syncthreads();
+    float before = 0.0f;
+    for (int j = 0; j < warp; j++) before += warp_tot[j];
+    const float prefix = before + incl - local;
+    if (local > 0.0f && prefix <= target && target < prefix + local) {
+        float acc = prefix;
+        int pick = last_kept;
+        for (int v = v0; v < v1; v++) {
+            const float q = kept_q(src[v], inv_t, mx, kth_key, mp, p_key);
+            acc += q;
+            if (acc > target && q > 0.0f) {
+                pick = v;
+                break;
+            }
+        }
+        chosen = pick;  // exactly one thread's range holds the target
+    }
+    __syncthreads();
+    if (chosen >= 0) return chosen;
+    return (int)block_max_f((float)last_kept);  // rounding put the target past the end: the last kept token
+}
+
+// ---- sample_few: rows whose filters keep few tokens ----
+// Top-k, min-p and top-p each keep the tokens at or above a threshold. Two passes over the row
+// find them: the first counts the tokens in bins of d = max - s (1/16 nat wide, 64 nats deep),
+// which bounds the last bin a kept token can lie in; the second gathers the tokens up to that
+// bin, in id order, into shared memory. The thresholds (each from the few candidates of the bins
+// it can lie in, a warp a candidate summing over all of them) and the draw (in id order, as
+// sample_bisect's) then read shared memory only. Every sum is over threads in a
+// fixed order, so a row's token depends on its logits alone.
+#define WARPS (THREADS / 32)
+#define FEW_BINS 1024  // == THREADS: a bin a thread where the bins are scanned
+#define BINS_PER_NAT 16.0f
+#define FEW_CAP 4096   // candidates at most (sampling.FEW_CAP)
+#define FEW_LOADS 8    // loads in flight a lane in the passes over the row
+// dynamic shared memory: each warp's bin counts (16-bit, two a word), which the candidates
+// (their scaled logits, ids, keys and q) replace; then the bins' prefixes (count, mass bounds)
+#define WHIST_WORDS (WARPS * FEW_BINS / 2)
+#define FEW_SMEM (WHIST_WORDS * 4 + FEW_BINS * 12)  // sampling.FEW_SMEM
+static_assert(FEW_BINS == THREADS, "a bin a thread");
+static_assert(FEW_CAP * 16 <= WHIST_WORDS * 4, "the candidates take the counts' place");
+
+__device__ __forceinline__ float key_float(unsigned int k) {  // ord_key's inverse
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+// s, q and the bin of a logit, rounded the same in both passes (no contraction across them)
+__device__ __forceinline__ float scaled(float x, float inv_t) { return __fmul_rn(x, inv_t); }
+__device__ __forceinline__ float q_of(float s, float mx) { return __expf(__fsub_rn(s, mx)); }
+__device__ __forceinline__ int bin_of(float s, float mx) {
+    const float d = __fsub_rn(mx, s);  // NaN and -inf fall past the last bin
+    return d < (float)FEW_BINS / BINS_PER_NAT ? (int)__fmul_rn(d, BINS_PER_NAT) : FEW_BINS;
+}
+
+// Prefixes over the block's threads in thread order: thread t gets lo = the sum over threads
+// before it and hi = lo's value for thread t + 1 (the same rounding), and the total. So the
+// threads' ranges [lo, hi) tile [0, total) with no gap or overlap, whatever the rounding.
+template <typename T>
+__device__ __forceinline__ void block_ranges(T v, T &lo, T &hi, T &total, T *wtot) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    T incl = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const T y = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += y;
+    }
+    T excl = __shfl_up_sync(0xffffffffu, incl, 1);
+    if (lane == 0) excl = 0;
+    __syncthreads();  // wtot may still be read by a previous call
+    if (lane == 31) wtot[warp] = incl;
+    __syncthreads();
+    T before = 0;
+    for (int j = 0; j < warp; j++) before += wtot[j];
+    lo = before + excl;
+    hi = before + incl;  // lane 31: before + wtot[warp], as warp + 1 sums it
+    T all = before;
+    for (int j = warp; j < WARPS; j++) all += wtot[j];
+    total = all;
+}
+
+// block-wide sum / max of unsigned ints; every thread gets it. `scratch`: WARPS words
+__device__ __forceinline__ unsigned int block_sum_u(unsigned int v, unsigned int *scratch) {
+    v = __reduce_add_sync(0xffffffffu, v);
+    __syncthreads();  // scratch may still be read by a previous call
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+    __syncthreads();
+    unsigned int all = 0u;
+    for (int w = 0; w < WARPS; w++) all += scratch[w];
+    return all;
+}
+
+__device__ __forceinline__ unsigned int block_max_u(unsigned int v, unsigned int *scratch) {
+    v = __reduce_max_sync(0xffffffffu, v);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+    __syncthreads();
+    unsigned int all = 0u;
+    for (int w = 0; w < WARPS; w++) all = max(all, scratch[w]);
+    return all;
+}
+
+// The token of a row with no filter (a temperature alone): the draw in id order over the whole
+// row, in two levels. One pass sums q over each warp's run of ids (as sample_few's passes take
+// them); the run that holds the target is then split among the block's threads, a few ids each.
+__device__ __noinline__ int sample_all(const float *__restrict__ src, int V, float inv_t, float mx, float u) {
+    __shared__ float w_sum[WARPS], f_tot[WARPS];
+    __shared__ int pick;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int seg = (V + THREADS - 1) / THREADS * 32;
+    const int v_begin = min(V, warp * seg), v_end = min(V, v_begin + seg);
+    float m = 0.0f;
+    for (int v0 = v_begin; v0 < v_end; v0 += 32 * FEW_LOADS) {
+        float x[FEW_LOADS];
+#pragma unroll
+        for (int j = 0; j < FEW_LOADS; j++) x[j] = v0 + j * 32 + lane < v_end ? src[v0 + j * 32 + lane] : 0.0f;
+#pragma unroll
+        for (int j = 0; j < FEW_LOADS; j++) {
+            const float q = q_of(scaled(x[j], inv_t), mx);
+            if (v0 + j * 32 + lane < v_end && q >= 0.0f) m += q;  // q >= 0 leaves out NaN
+        }
+    }
+    m = warp_sum(m);
+    if (lane == 0) w_sum[warp] = m;
+    if (tid == 0) pick = -1;
+    __syncthreads();
+    // the run whose range [lo, lo + its sum) holds u * total, found alike by every thread
+    float total = 0.0f;
+    for (int w = 0; w < WARPS; w++) total += w_sum[w];
+    float target = u * total, lo = 0.0f;
+    int run = -1;
+    for (int w = 0; w < WARPS; w++) {
+        const float hi = lo + w_sum[w];
+        if (w_sum[w] > 0.0f) {
+            run = w;
+            if (target < hi) break;
+        }
+        lo = hi;
+    }
+    target -= lo;  // within the run; past its end (rounding) the run's last kept token is taken
+    const int r0 = min(V, run * seg), r1 = min(V, r0 + seg);
+    const int per = (r1 - r0 + THREADS - 1) / THREADS, i0 = min(r1, r0 + tid * per), i1 = min(r1, i0 + per);
+    float local = 0.0f;
+    int last_kept = -1;
+    for (int i = i0; i < i1; i++) {
+        const float q = q_of(scaled(src[i], inv_t), mx);
+        if (q > 0.0f) {
+            local += q;
+            last_kept = i;
+        }
+    }
+    float t_lo, t_hi, t_all;
+    block_ranges<float>(local, t_lo, t_hi, t_all, f_tot);
+    if (t_lo <= target && target < t_hi) {
+        float acc = t_lo;
+        int at = last_kept;
+        for (int i = i0; i < i1; i++) {
+            const float q = q_of(scaled(src[i], inv_t), mx);
+            if (q > 0.0f) {
+                acc += q;
+                if (acc > target) {
+                    at = i;
+                    break;
+                }
+            }
+        }
+        pick = at;
+    }
+    __syncthreads();
+    return pick >= 0 ? pick : (int)block_max_f((float)last_kept);
+}
+
+// The token of a row with top-k, top-p or min-p, or -1 where its kept tokens may lie beyond the
+// bins or be more than `cap` (the caller then bisects). The same thresholds as sample_bisect's:
+// top-k keeps keys >= the k-th largest, min-p q >= min_p, top-p q >= the largest q whose tokens
+// (q' >= q) hold top_p of the allowed mass. Every thread calls it; it returns the same value to all.
+__device__ __noinline__ int sample_few(const float *__restrict__ src, int V, float inv_t, float mx, int k,
+                                       float tp, float mp, float u, int cap, unsigned char *smem) {
+    unsigned int *whist = reinterpret_cast<unsigned int *>(smem);
+    float *cand_s = reinterpret_cast<float *>(smem);  // the candidates, in id order, in whist's place
+    int *cand_id = reinterpret_cast<int *>(smem + FEW_CAP * 4);
+    unsigned int *cand_key = reinterpret_cast<unsigned int *>(smem + FEW_CAP * 8);
+    float *cand_q = reinterpret_cast<float *>(smem + FEW_CAP * 12);  // q of those top-k allows, else 0
+    unsigned int *cum = reinterpret_cast<unsigned int *>(smem + WHIST_WORDS * 4);  // allowed tokens in bins <= b
+    float *cum_lb = reinterpret_cast<float *>(cum + FEW_BINS);  // a lower and an upper bound of their mass
+    float *cum_ub = cum_lb + FEW_BINS;
+    __shared__ unsigned int u_tot[WARPS], w_cnt[WARPS];
+    __shared__ float f_tot[WARPS];
+    __shared__ int last_bin, first_bin, pick;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    for (int i = tid; i < WHIST_WORDS; i += THREADS) whist[i] = 0u;
+    if (tid == 0) {
+        last_bin = -1;
+        first_bin = 0;
+    }
+    __syncthreads();
+
+    // pass 1: each warp counts its own run of ids, coalesced, into its own bins
+    const int seg = (V + THREADS - 1) / THREADS * 32;
+    const int v_begin = min(V, warp * seg), v_end = min(V, v_begin + seg);
+    unsigned int *h = whist + warp * (FEW_BINS / 2);
+    const float q_min = fmaxf(mp, 0.0f);  // min-p; q >= 0 also leaves out NaN
+    float mass = 0.0f;
+    unsigned int allowed = 0;
+    for (int v0 = v_begin; v0 < v_end; v0 += 32 * FEW_LOADS) {
+        float x[FEW_LOADS];
+#pragma unroll
+        for (int j = 0; j < FEW_LOADS; j++) x[j] = v0 + j * 32 + lane < v_end ? src[v0 + j * 32 + lane] : 0.0f;
+#pragma unroll
+        for (int j = 0; j < FEW_LOADS; j++) {
+            const float s = scaled(x[j], inv_t), q = q_of(s, mx);
+            if (v0 + j * 32 + lane < v_end && q >= q_min) {
+                mass += q;
+                allowed++;
+                const int b = bin_of(s, mx);
+                if (b < FEW_BINS) atomicAdd(h + (b >> 1), 1u << ((b & 1) << 4));
+            }
+        }
+    }
+    __syncthreads();
+    unsigned int c = 0;  // this thread's bin, over the warps
+    for (int w = 0; w < WARPS; w++) c += (whist[w * (FEW_BINS / 2) + (tid >> 1)] >> ((tid & 1) << 4)) & 0xffffu;
+    unsigned int c_lo, c_hi, c_all;
+    block_ranges<unsigned int>(c, c_lo, c_hi, c_all, u_tot);
+    cum[tid] = c_hi;
+    const float total_all = block_sum_f(mass);  // the allowed mass (min-p), in a fixed order
+    const unsigned int n_allowed = block_sum_u(allowed, u_tot);
+    const bool topk = k > 0 && (unsigned int)k < n_allowed;
+    // bounds of the allowed mass in bins <= b (bin b's tokens have e^-(b+1)/16 < q <= e^-b/16):
+    // the tokens at their bins' lower (upper) ends, or the total less the other tokens at their
+    // upper (lower) ends, which is tight where top_p is near 1; with room for the rounding
+    float lo_lo, lo_hi, lo_all, up_lo, up_hi, up_all;
+    const float e = (float)tid * (1.0f / BINS_PER_NAT);
+    block_ranges<float>((float)c * __expf(-e - 1.0f / BINS_PER_NAT), lo_lo, lo_hi, lo_all, f_tot);
+    block_ranges<float>((float)c * __expf(-e), up_lo, up_hi, up_all, f_tot);
+    const float beyond = (float)(n_allowed - c_all) * __expf(-(float)FEW_BINS / BINS_PER_NAT);
+    cum_lb[tid] = fmaxf(lo_hi * (1.0f - 1e-4f),
+                        total_all * (1.0f - 1e-5f) - (up_all - up_hi) - up_all * 1e-5f - beyond);
+    const float rest_lb = fmaxf(0.0f, (lo_all - lo_hi) * (1.0f - 1e-4f) - lo_all * 1e-5f);
+    cum_ub[tid] = topk ? up_hi * (1.0f + 1e-4f)  // (the total of what top-k allows is not known yet)
+                       : fminf(up_hi * (1.0f + 1e-4f), total_all * (1.0f + 1e-5f) - rest_lb);
+    __syncthreads();
+    // the last bin the candidates need: top-k's k-th token; without top-k, the first bin whose
+    // mass surely reaches top-p's; min-p alone: every allowed token
+    const float p_need = tp * total_all * (1.0f - 1e-6f);
+    bool here;
+    if (topk) here = cum[tid] >= (unsigned int)k && (tid == 0 || cum[tid - 1] < (unsigned int)k);
+    else if (tp < 1.0f) here = cum_lb[tid] >= p_need && (tid == 0 || cum_lb[tid - 1] < p_need);
+    else here = tid == FEW_BINS - 1 && cum[tid] == n_allowed;
+    if (here) last_bin = tid;
+    __syncthreads();
+    const int bc = last_bin;
+    if (bc < 0 || cum[bc] > (unsigned int)cap || cum[bc] == 0u) return -1;
+    const int n = (int)cum[bc];
+    unsigned int mine = 0;  // this warp's candidates
+    for (int b = lane; b <= bc; b += 32) mine += (h[b >> 1] >> ((b & 1) << 4)) & 0xffffu;
+    mine = __reduce_add_sync(0xffffffffu, mine);
+    if (lane == 0) w_cnt[warp] = mine;
+    __syncthreads();  // ... and every warp has read its counts before the candidates replace them
+    int pos = 0;
+    for (int w = 0; w < warp; w++) pos += (int)w_cnt[w];
+
+    // pass 2: the candidates, in id order: allowed, and d < the end of bin bc
+    const float d_end = (float)(bc + 1) * (1.0f / BINS_PER_NAT);  // d < d_end <=> bin_of <= bc
+    for (int v0 = v_begin; v0 < v_end; v0 += 32 * FEW_LOADS) {
+        float x[FEW_LOADS];
+#pragma unroll
+        for (int j = 0; j < FEW_LOADS; j++) x[j] = v0 + j * 32 + lane < v_end ? src[v0 + j * 32 + lane] : 0.0f;
+#pragma unroll
+        for (int j = 0; j < FEW_LOADS; j++) {
+            const float s = scaled(x[j], inv_t);
+            const bool take = v0 + j * 32 + lane < v_end && __fsub_rn(mx, s) < d_end && (mp <= 0.0f || q_of(s, mx) >= q_min);
+            const unsigned int ballot = __ballot_sync(0xffffffffu, take);
+            const int at = pos + __popc(ballot & ((1u << lane) - 1u));
+            if (take && at < FEW_CAP) {
+                cand_s[at] = s;
+                cand_id[at] = v0 + j * 32 + lane;
+            }
+            pos += __popc(ballot);
+        }
+    }
+    __syncthreads();
+    for (int i = tid; i < n; i += THREADS) cand_key[i] = ord_key(cand_s[i]);
+    __syncthreads();
+
+    // top-k: the largest key with at least k keys >= it, one of bin bc's (a warp a key)
+    unsigned int kth = 0u;
+    if (topk) {
+        unsigned int best = 0u;
+        for (int i = warp; i < n; i += WARPS) {
+            const unsigned int key = cand_key[i];
+            if (key <= best || bin_of(cand_s[i], mx) != bc) continue;
+            unsigned int ge = 0u;
+            for (int j = lane; j < n; j += 32) ge += cand_key[j] >= key ? 1u : 0u;
+            if (__reduce_add_sync(0xffffffffu, ge) >= (unsigned int)k) best = key;
+        }
+        kth = block_max_u(best, u_tot);
+        if (kth == 0u) return -1;  // (bin bc holds the k-th key; never taken)
+    }
+    for (int i = tid; i < n; i += THREADS) cand_q[i] = cand_key[i] >= kth ? q_of(cand_s[i], mx) : 0.0f;
+    __syncthreads();
+    const int per = (n + THREADS - 1) / THREADS, i0 = min(n, tid * per), i1 = min(n, i0 + per);
+    float lo, hi, all;
+    // top-p: the largest q whose tokens (q' >= q) hold `need`, one of the bins from the first whose
+    // upper bound reaches it (a warp a q; sums over lanes in a fixed order, and larger for a smaller q)
+    float q_keep = 0.0f;
+    if (tp < 1.0f) {
+        float need = p_need;
+        if (topk) {
+            float local = 0.0f;
+            for (int i = i0; i < i1; i++) local += cand_q[i];
+            block_ranges<float>(local, lo, hi, all, f_tot);
+            need = tp * all * (1.0f - 1e-6f);
+        }
+        if (cum_ub[tid] >= need && tid > 0 && cum_ub[tid - 1] < need) first_bin = tid;
+        __syncthreads();
+        const int b_first = first_bin;
+        float best = 0.0f;
+        for (int i = warp; i < n; i += WARPS) {
+            const float qi = cand_q[i];
+            if (qi <= best || bin_of(cand_s[i], mx) < b_first) continue;
+            float m = 0.0f;
+            for (int j = lane; j < n; j += 32) m += cand_q[j] >= qi ? cand_q[j] : 0.0f;
+            if (warp_sum(m) >= need) best = qi;
+        }
+        q_keep = block_max_f(best);
+        if (q_keep <= 0.0f) return -1;  // no q reaches it (rounding against the bounds): bisect
+    }
+
+    // the draw, in id order over the candidates
+    float local = 0.0f;
+    int last_kept = -1;
+    for (int i = i0; i < i1; i++) {
+        const float q = cand_q[i];
+        if (q > 0.0f && q >= q_keep) {
+            local += q;
+            last_kept = i;
+        }
+    }
+    block_ranges<float>(local, lo, hi, all, f_tot);
+    const float target = u * all;
+    if (tid == 0) pick = -1;
+    __syncthreads();
+    if (lo <= target && target < hi) {
+        float acc = lo;
+        int at = last_kept;
+        for (int i = i0; i < i1; i++) {
+            const float q = cand_q[i];
+            if (q > 0.0f && q >= q_keep) {
+                acc += q;
+                if (acc > target) {
+                    at = i;
+                    break;
+                }
+            }
+        }
+        pick = at;
+    }
+    __syncthreads();
+    const int at = pick >= 0 ? pick : (int)block_max_f((float)last_kept);  // past the end: the last kept
+    return cand_id[at];
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS) sample_tokens(
     const float *__restrict__ logits,        // (R, V) raw
     float *__restrict__ work,                // (R, V) scratch: processed logits of rows that need it
@@ -140,7 +568,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_tokens(
     const int *__restrict__ out_index,       // (R) where each row's token goes in it
     // null, or per row: how many top logprobs (-1: none) of the sampled token (token_logprobs' outputs)
     const int *__restrict__ lp_n, float *__restrict__ out_lp, int *__restrict__ out_rank,
-    int *__restrict__ top_ids, float *__restrict__ top_lp, int max_top) {
+    int *__restrict__ top_ids, float *__restrict__ top_lp, int max_top,
+    int few_cap,                             // candidates sample_few may take (0: bisect every row)
+    int *__restrict__ few_used) {            // null, or per row: 1 where sample_few gave the token, else 0
+    extern __shared__ __align__(16) unsigned char few_smem[];  // FEW_SMEM bytes
     const int row = blockIdx.x, tid = threadIdx.x;
     // the row's parameters are staged inputs (a copy or stage_in, kernels before the LM head):
     // loaded before the wait, so that neither the branches below nor the token's store wait on them
@@ -185,91 +616,17 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_tokens(
         float mx = NEG_INF;
         for (int v = tid; v < V; v += THREADS) mx = fmaxf(mx, src[v] * inv_t);
         mx = block_max_f(mx);
-        // top-k: the largest key K with count(key >= K) >= k
-        unsigned int kth_key = 0;
         const int k = top_k[row];
-        if (k > 0 && k < V) {
-            unsigned long long lo = 0, hi = 0x100000000ull;
-            while (hi - lo > 1) {
-                const unsigned long long mid = (lo + hi) >> 1;
-                float c = 0.0f;
-                for (int v = tid; v < V; v += THREADS) c += ord_key(src[v] * inv_t) >= mid ? 1.0f : 0.0f;
-                if (block_sum_f(c) >= (float)k) lo = mid; else hi = mid;
-            }
-            kth_key = (unsigned int)lo;
-        }
-        // unnormalised probabilities q = exp(s - max) of the allowed tokens (the max has q = 1)
-        const float mp = min_p[row];
-        float total = 0.0f;
-        for (int v = tid; v < V; v += THREADS) total += allowed_q(src[v], inv_t, mx, kth_key, mp);
-        total = block_sum_f(total);
-        // top-p: the largest key K whose tokens (q >= K) hold at least top_p of the mass
-        unsigned int p_key = 0;
-        const float tp = top_p[row];
-        if (tp < 1.0f) {
-            const float target = tp * total * (1.0f - 1e-6f);
-            unsigned long long lo = 0, hi = 0x100000000ull;
-            while (hi - lo > 1) {
-                const unsigned long long mid = (lo + hi) >> 1;
-                float m = 0.0f;
-                for (int v = tid; v < V; v += THREADS) {
-                    const float q = allowed_q(src[v], inv_t, mx, kth_key, mp);
-                    m += (q > 0.0f && ord_key(q) >= mid) ? q : 0.0f;
-                }
-                if (block_sum_f(m) >= target) lo = mid; else hi = mid;
-            }
-            p_key = (unsigned int)lo;
-            total = 0.0f;
-            for (int v = tid; v < V; v += THREADS) total += kept_q(src[v], inv_t, mx, kth_key, mp, p_key);
-            total = block_sum_f(total);
-        }
-        // inverse CDF in token-id order: each thread owns a contiguous run of ids
-        const float target = seeded_uniform(seeds[row], (unsigned long long)counters[row]) * total;
-        const int per = (V + THREADS - 1) / THREADS;
-        const int v0 = tid * per, v1 = min(V, v0 + per);
-        float local = 0.0f;
-        int last_kept = -1;
-        for (int v = v0; v < v1; v++) {
-            const float q = kept_q(src[v], inv_t, mx, kth_key, mp, p_key);
-            local += q;
-            if (q > 0.0f) last_kept = v;
-        }
-        // exclusive prefix over threads
-        __shared__ float warp_tot[32];
-        __shared__ int chosen;
-        const int lane = tid & 31, warp = tid >> 5;
-        float incl = local;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const float y = __shfl_up_sync(0xffffffffu, incl, o);
-            if (lane >= o) incl += y;
-        }
-        if (lane == 31) warp_tot[warp] = incl;
-        if (tid == 0) chosen = -1;
-        __syncthreads();
-        float before = 0.0f;
-        for (int j = 0; j < warp; j++) before += warp_tot[j];
-        const float prefix = before + incl - local;
-        if (local > 0.0f && prefix <= target && target < prefix + local) {
-            float acc = prefix;
-            int pick = last_kept;
-            for (int v = v0; v < v1; v++) {
-                const float q = kept_q(src[v], inv_t, mx, kth_key, mp, p_key);
-                acc += q;
-                if (acc > target && q > 0.0f) {
-                    pick = v;
-                    break;
-                }
-            }
-            chosen = pick;  // exactly one thread's range holds the target
-        }
-        __syncthreads();
-        token = chosen;
-        if (token < 0) {  // rounding put the target past the end: take the last kept token
-            float bv = (float)last_kept;
-            bv = block_max_f(bv);
-            token = (int)bv;
-        }
+        const float tp = top_p[row], mp = min_p[row];
+        const float u = seeded_uniform(seeds[row], (unsigned long long)counters[row]);
+        token = -1;
+        if (few_cap > 0 && ((k > 0 && k < V) || tp < 1.0f || mp > 0.0f))
+            token = sample_few(src, V, inv_t, mx, k, tp, mp, u, min(few_cap, FEW_CAP), few_smem);
+        if (few_used != nullptr && tid == 0) few_used[row] = token >= 0;
+        if (token < 0) token = few_cap > 0 && !(k > 0 && k < V) && tp >= 1.0f && mp <= 0.0f
+                                   ? sample_all(src, V, inv_t, mx, u)
+                                   : sample_bisect(src, V, inv_t, mx, k, tp, mp, u);
+        token = max(token, 0);  // a row with no finite logit: 0, as greedy gives
     }
     if (tid == 0) {
         sampled[row] = token;

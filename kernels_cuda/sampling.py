@@ -5,19 +5,28 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
-from ._module import check, i32, launch, module, ptr_or_null
+from ._module import check, function, i32, launch, module, ptr_or_null
 
 THREADS = 1024
+FEW_CAP = 4096  # sampling.cu's FEW_CAP: tokens sample_few takes at most
+FEW_SMEM = (THREADS // 32) * (1024 // 2) * 4 + 1024 * 12  # sampling.cu's FEW_SMEM
 
 
 def sample_tokens(logits: cp.ndarray, work: cp.ndarray, params: dict[str, cp.ndarray], counts: cp.ndarray,
                   prompt_mask: cp.ndarray, sampled: cp.ndarray, rows: int | None = None, pdl: bool = False,
-                  host_out: np.ndarray | None = None, logprobs: tuple | None = None) -> cp.ndarray:
+                  host_out: np.ndarray | None = None, logprobs: tuple | None = None,
+                  few_cap: int = FEW_CAP, few_used: cp.ndarray | None = None) -> cp.ndarray:
     """Sample one token per row of logits (R, V) float32 into sampled (R,) int32, and where
     host_out (pinned int32 host memory) is given, into host_out[params["out_index"][row]] too:
     the host reads them there once the step is done, with no copy after it. With logprobs =
     (out_lp, out_rank, top_ids, top_lp): token_logprobs' outputs for the sampled tokens of the
     rows with params["lp_n"] >= 0, in the same launch.
+
+    A row with top-k, top-p or min-p whose filters keep at most few_cap tokens (and whose kept
+    tokens lie within 64 nats of its largest logit) takes its thresholds from those tokens,
+    gathered into shared memory (sample_few); other rows bisect over the whole row. few_cap=0 makes
+    every row bisect (the tests compare the two). few_used (R,) int32, if given, gets 1 for each
+    sampled row whose token sample_few gave, 0 for the other sampled rows (greedy rows: untouched).
 
     params: per-row device arrays temperature, top_p, min_p, rep_pen, freq_pen, pres_pen
     (float32); top_k, counters, pen_slot, bias_n, banned_n (int32); seeds (uint64);
@@ -49,8 +58,10 @@ def sample_tokens(logits: cp.ndarray, work: cp.ndarray, params: dict[str, cp.nda
     if logprobs is not None:
         check_logprobs(p["lp_n"], *logprobs)
     out_lp, out_rank, top_ids, top_lp = logprobs or (None,) * 4
+    if few_used is not None:
+        check(few_used, "few_used", np.int32)
     if rows:
-        launch(module("sampling").get_function("sample_tokens"), (rows,), (THREADS,),
+        launch(function(module("sampling"), "sample_tokens", FEW_SMEM), (rows,), (THREADS,),
                (logits, work, i32(V), p["temperature"], p["top_k"], p["top_p"], p["min_p"], p["seeds"],
                 p["counters"], p["rep_pen"], p["freq_pen"], p["pres_pen"], p["pen_slot"], counts, prompt_mask,
                 p["bias_n"], p["bias_ids"], p["bias_vals"], i32(p["bias_ids"].shape[1]),
@@ -58,7 +69,8 @@ def sample_tokens(logits: cp.ndarray, work: cp.ndarray, params: dict[str, cp.nda
                 np.uint64(0 if host_out is None else host_out.ctypes.data),
                 ptr_or_null(None if host_out is None else p["out_index"]),
                 ptr_or_null(None if logprobs is None else p["lp_n"]), ptr_or_null(out_lp), ptr_or_null(out_rank),
-                ptr_or_null(top_ids), ptr_or_null(top_lp), i32(0 if top_ids is None else top_ids.shape[1])), pdl=pdl)
+                ptr_or_null(top_ids), ptr_or_null(top_lp), i32(0 if top_ids is None else top_ids.shape[1]),
+                i32(min(few_cap, FEW_CAP)), ptr_or_null(few_used)), shared_mem=FEW_SMEM, pdl=pdl)
     return sampled
 
 

@@ -213,6 +213,73 @@ def test_top_k_and_top_p_draw_only_from_what_they_keep(V):
         assert len(set(drawn)) >= 3, (k, tp, set(drawn))
 
 
+# (top_k, top_p, min_p) of the rows below: filters that keep few tokens, two that keep more than
+# sample_few takes (top-k 5,000; top-p 0.999 over flat logits), and none (sample_all's rows)
+FEW_FILTERS = [(0, 1.0, 0.0), (50, 1.0, 0.0), (1, 1.0, 0.0), (0, 0.9, 0.0), (0, 0.5, 0.0), (40, 0.9, 0.0), (0, 1.0, 0.05),
+               (0, 0.95, 0.02), (5000, 1.0, 0.0), (0, 0.999, 0.0), (20, 0.8, 0.1)]
+
+
+def few_rows(V: int, r: np.random.Generator) -> tuple[np.ndarray, list]:
+    """Logit rows of five shapes (peaked, flat, so wide that a low temperature puts top-k's k-th
+    token past sample_few's 64 nats, many ties, a tenth of -inf) under every FEW_FILTERS at two
+    temperatures: (rows (R, V) float32, [(temperature, top_k, top_p, min_p, shape)] a row)."""
+    shapes = {"peaked": r.standard_normal(V) * 3, "flat": r.standard_normal(V) * 0.3,
+              "wide": r.standard_normal(V) * 40, "ties": np.round(r.standard_normal(V) * 4) / 2,
+              "banned": np.where(r.random(V) < 0.1, -np.inf, r.standard_normal(V) * 2)}
+    rows, cases = [], []
+    for name, x in shapes.items():
+        for temp in (0.5, 1.0):
+            for k, tp, mp in FEW_FILTERS:
+                rows.append(x.astype(np.float32))
+                cases.append((temp, k, tp, mp, name))
+    return np.stack(rows), cases
+
+
+@pytest.mark.parametrize("V", [3001, 49152, 128256])
+def test_sample_few_gives_the_bisections_tokens_and_numpys(V):
+    """sample_few (thresholds from a sort of the few tokens that can pass them) and sample_all
+    (rows with a temperature alone) draw the same token as the bisection over the whole row
+    (few_cap=0) and as the NumPy runner's allowed_probs + draw, for top-k, top-p, min-p, their
+    mixes and no filter, over peaked, flat, wide, tied and partly -inf rows, four draws each.
+    sample_few takes the rows whose filters keep few tokens and leaves to the bisection those
+    that keep more than it holds."""
+    from engine.runner.sampling import allowed_probs, draw, seeded_uniform
+    from kernels_cuda.sampling import FEW_CAP, plain_params, sample_tokens
+    x, cases = few_rows(V, np.random.default_rng(V))
+    R = len(cases)
+    logits = cp.asarray(x)
+    params = plain_params([c[0] for c in cases])
+    params["top_k"] = cp.asarray(np.array([c[1] for c in cases], np.int32))
+    params["top_p"] = cp.asarray(np.array([c[2] for c in cases], np.float32))
+    params["min_p"] = cp.asarray(np.array([c[3] for c in cases], np.float32))
+    counts, mask = cp.zeros((1, V), cp.int32), cp.zeros((1, (V + 31) // 32), cp.uint32)
+    seeds = cp.asnumpy(params["seeds"])
+    mismatched_few, mismatched_many = [], []
+    for counter in (0, 1, 7, 1000):
+        params["counters"] = cp.full(R, counter, cp.int32)
+        got, bisected, used = cp.full(R, -1, cp.int32), cp.full(R, -1, cp.int32), cp.full(R, -1, cp.int32)
+        sample_tokens(logits, cp.empty_like(logits), params, counts, mask, got, few_used=used)
+        sample_tokens(logits, cp.empty_like(logits), params, counts, mask, bisected, few_cap=0)
+        got, bisected, used = cp.asnumpy(got), cp.asnumpy(bisected), cp.asnumpy(used)
+        np.testing.assert_array_equal(got, bisected)
+        for i, (temp, k, tp, mp, name) in enumerate(cases):
+            probs = allowed_probs(x[i], temp, k or None, tp, mp)
+            kept = np.count_nonzero(probs)
+            if draw(probs, seeded_uniform(int(seeds[i]), counter)) != got[i]:
+                (mismatched_many if kept > FEW_CAP else mismatched_few).append((i, counter, cases[i], kept))
+            assert probs[got[i]] > 0, (cases[i], counter)
+            if kept > FEW_CAP:
+                assert used[i] == 0, (cases[i], kept)
+            elif kept <= 256 and name != "wide":
+                assert used[i] == 1, (cases[i], kept)
+            assert used[i] in (0, 1)
+        assert used.sum() >= R // 2, used
+    assert not mismatched_few, mismatched_few
+    # over tens of thousands of kept tokens, float32 sums against NumPy's float64 move a draw that
+    # lands within their rounding of a boundary now and then (the bisection's rows, as before)
+    assert len(mismatched_many) <= 4 * R // 20, mismatched_many
+
+
 def test_sampling_writes_the_host_and_logprobs_of_its_tokens():
     """sample_tokens with host_out and logprobs: each row's token also lands in pinned host
     memory at its out_index, and its logprobs are token_logprobs' (same bits) for that token."""
