@@ -218,11 +218,14 @@ __device__ __noinline__ int sample_bisect(const float *__restrict__ src, int V, 
 #define FEW_BINS 1024  // == THREADS: a bin a thread where the bins are scanned
 #define BINS_PER_NAT 16.0f
 #define FEW_CAP 4096   // candidates at most (sampling.FEW_CAP)
+#ifndef FEW_LOADS
 #define FEW_LOADS 8    // loads in flight a lane in the passes over the row
+#endif
 // dynamic shared memory: each warp's bin counts (16-bit, two a word), which the candidates
-// (their scaled logits, ids, keys and q) replace; then the bins' prefixes (count, mass bounds)
+// (their scaled logits, ids, keys and q) replace; then the bins' prefixes (count, mass bounds),
+// and the candidates a threshold can be
 #define WHIST_WORDS (WARPS * FEW_BINS / 2)
-#define FEW_SMEM (WHIST_WORDS * 4 + FEW_BINS * 12)  // sampling.FEW_SMEM
+#define FEW_SMEM (WHIST_WORDS * 4 + FEW_BINS * 12 + FEW_CAP * 2)  // sampling.FEW_SMEM
 static_assert(FEW_BINS == THREADS, "a bin a thread");
 static_assert(FEW_CAP * 16 <= WHIST_WORDS * 4, "the candidates take the counts' place");
 
@@ -233,48 +236,127 @@ __device__ __forceinline__ float key_float(unsigned int k) {  // ord_key's inver
 // s, q and the bin of a logit, rounded the same in both passes (no contraction across them)
 __device__ __forceinline__ float scaled(float x, float inv_t) { return __fmul_rn(x, inv_t); }
 __device__ __forceinline__ float q_of(float s, float mx) { return __expf(__fsub_rn(s, mx)); }
-__device__ __forceinline__ int bin_of(float s, float mx) {
-    const float d = __fsub_rn(mx, s);  // NaN and -inf fall past the last bin
+__device__ __forceinline__ int bin_of_d(float d) {  // d = max - s; NaN and +inf fall past the last bin
     return d < (float)FEW_BINS / BINS_PER_NAT ? (int)__fmul_rn(d, BINS_PER_NAT) : FEW_BINS;
 }
+__device__ __forceinline__ int bin_of(float s, float mx) { return bin_of_d(__fsub_rn(mx, s)); }
 
-// Prefixes over the block's threads in thread order: thread t gets lo = the sum over threads
-// before it and hi = lo's value for thread t + 1 (the same rounding), and the total. So the
-// threads' ranges [lo, hi) tile [0, total) with no gap or overlap, whatever the rounding.
-template <typename T>
-__device__ __forceinline__ void block_ranges(T v, T &lo, T &hi, T &total, T *wtot) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    T incl = v;
+// f(x, v, in) for each id v of a warp's run [v_begin, v_end), 32 consecutive ids a step (lane l
+// takes v0 + l), FEW_LOADS loads in flight; in: v < v_end, a constant true but in the last group
+// (every lane calls f, as ballots need).
+template <typename F>
+__device__ __forceinline__ void for_run(const float *__restrict__ src, int v_begin, int v_end, F f) {
+    const int lane = threadIdx.x & 31;
+    int v0 = v_begin;
+    for (; v0 + 32 * FEW_LOADS <= v_end; v0 += 32 * FEW_LOADS) {
+        float x[FEW_LOADS];
 #pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const T y = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += y;
+        for (int j = 0; j < FEW_LOADS; j++) x[j] = src[v0 + j * 32 + lane];
+#pragma unroll
+        for (int j = 0; j < FEW_LOADS; j++) f(x[j], v0 + j * 32 + lane, true);
     }
-    T excl = __shfl_up_sync(0xffffffffu, incl, 1);
-    if (lane == 0) excl = 0;
+    if (v0 < v_end) {
+        float x[FEW_LOADS];
+#pragma unroll
+        for (int j = 0; j < FEW_LOADS; j++) x[j] = v0 + j * 32 + lane < v_end ? src[v0 + j * 32 + lane] : 0.0f;
+#pragma unroll
+        for (int j = 0; j < FEW_LOADS; j++) f(x[j], v0 + j * 32 + lane, v0 + j * 32 + lane < v_end);
+    }
+}
+
+// sample_few's first pass over a warp's run: the allowed tokens (q >= q_min; NaN never) counted
+// into the warp's bins h, their count and (with Q: min-p or top-p) their mass
+template <bool Q>
+__device__ __forceinline__ void count_run(const float *__restrict__ src, int v_begin, int v_end, float inv_t,
+                                          float mx, float q_min, unsigned int *h, float &mass,
+                                          unsigned int &allowed) {
+    for_run(src, v_begin, v_end, [&](float x, int, bool in) {
+        const float d = __fsub_rn(mx, scaled(x, inv_t));
+        const float q = Q ? __expf(-d) : 0.0f;  // q_of's bits: s - max is -(max - s)
+        if (in && (Q ? q >= q_min : d == d)) {
+            if (Q) mass += q;
+            allowed++;
+            const int b = bin_of_d(d);
+            if (b < FEW_BINS) atomicAdd(h + (b >> 1), 1u << ((b & 1) << 4));
+        }
+    });
+}
+
+// sample_few's second pass: the allowed tokens of bins < d_end, in id order, from cand[pos]
+template <bool MP>
+__device__ __forceinline__ void gather_run(const float *__restrict__ src, int v_begin, int v_end, float inv_t,
+                                           float mx, float q_min, float d_end, int pos, float *cand_s,
+                                           int *cand_id) {
+    const unsigned int below = (1u << (threadIdx.x & 31)) - 1u;
+    for_run(src, v_begin, v_end, [&](float x, int v, bool in) {
+        const float s = scaled(x, inv_t);
+        const bool take = in && __fsub_rn(mx, s) < d_end && (!MP || q_of(s, mx) >= q_min);
+        const unsigned int ballot = __ballot_sync(0xffffffffu, take);
+        if (ballot != 0u) {
+            const int at = pos + __popc(ballot & below);
+            if (take && at < FEW_CAP) {
+                cand_s[at] = s;
+                cand_id[at] = v;
+            }
+            pos += __popc(ballot);
+        }
+    });
+}
+
+// Prefixes over the block's threads in thread order, of N values a thread at once: thread t gets
+// lo = the sum over threads before it and hi = lo's value for thread t + 1 (the same rounding),
+// and the total. So the threads' ranges [lo, hi) tile [0, total) with no gap or overlap,
+// whatever the rounding. wtot: N * (WARPS + 1) floats.
+template <int N>
+__device__ __forceinline__ void block_ranges_n(const float (&v)[N], float (&lo)[N], float (&hi)[N], float (&total)[N],
+                                               float *wtot) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float incl[N];
+#pragma unroll
+    for (int n = 0; n < N; n++) incl[n] = v[n];
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1)
+#pragma unroll
+        for (int n = 0; n < N; n++) {
+            const float y = __shfl_up_sync(0xffffffffu, incl[n], o);
+            if (lane >= o) incl[n] += y;
+        }
     __syncthreads();  // wtot may still be read by a previous call
-    if (lane == 31) wtot[warp] = incl;
+    if (lane == 31)
+#pragma unroll
+        for (int n = 0; n < N; n++) wtot[n * (WARPS + 1) + warp] = incl[n];
     __syncthreads();
-    T before = 0;
-    for (int j = 0; j < warp; j++) before += wtot[j];
-    lo = before + excl;
-    hi = before + incl;  // lane 31: before + wtot[warp], as warp + 1 sums it
-    T all = before;
-    for (int j = warp; j < WARPS; j++) all += wtot[j];
-    total = all;
+    if (threadIdx.x < N) {  // each warp's start, summed in warp order, and the total after them
+        float *t = wtot + threadIdx.x * (WARPS + 1);
+        float run = 0.0f;
+        for (int j = 0; j < WARPS; j++) {
+            const float w = t[j];
+            t[j] = run;
+            run += w;
+        }
+        t[WARPS] = run;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int n = 0; n < N; n++) {
+        float excl = __shfl_up_sync(0xffffffffu, incl[n], 1);
+        if (lane == 0) excl = 0.0f;
+        const float before = wtot[n * (WARPS + 1) + warp];
+        lo[n] = before + excl;
+        hi[n] = before + incl[n];  // lane 31: the next warp's start
+        total[n] = wtot[n * (WARPS + 1) + WARPS];
+    }
 }
 
-// block-wide sum / max of unsigned ints; every thread gets it. `scratch`: WARPS words
-__device__ __forceinline__ unsigned int block_sum_u(unsigned int v, unsigned int *scratch) {
-    v = __reduce_add_sync(0xffffffffu, v);
-    __syncthreads();  // scratch may still be read by a previous call
-    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
-    __syncthreads();
-    unsigned int all = 0u;
-    for (int w = 0; w < WARPS; w++) all += scratch[w];
-    return all;
+__device__ __forceinline__ void block_ranges(float v, float &lo, float &hi, float &total, float *wtot) {
+    float a[1] = {v}, l[1], h[1], t[1];
+    block_ranges_n<1>(a, l, h, t, wtot);
+    lo = l[0];
+    hi = h[0];
+    total = t[0];
 }
 
+// block-wide max of unsigned ints; every thread gets it. `scratch`: WARPS words
 __device__ __forceinline__ unsigned int block_max_u(unsigned int v, unsigned int *scratch) {
     v = __reduce_max_sync(0xffffffffu, v);
     __syncthreads();
@@ -289,22 +371,16 @@ __device__ __forceinline__ unsigned int block_max_u(unsigned int v, unsigned int
 // row, in two levels. One pass sums q over each warp's run of ids (as sample_few's passes take
 // them); the run that holds the target is then split among the block's threads, a few ids each.
 __device__ __noinline__ int sample_all(const float *__restrict__ src, int V, float inv_t, float mx, float u) {
-    __shared__ float w_sum[WARPS], f_tot[WARPS];
+    __shared__ float w_sum[WARPS], f_tot[WARPS + 1];
     __shared__ int pick;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int seg = (V + THREADS - 1) / THREADS * 32;
     const int v_begin = min(V, warp * seg), v_end = min(V, v_begin + seg);
     float m = 0.0f;
-    for (int v0 = v_begin; v0 < v_end; v0 += 32 * FEW_LOADS) {
-        float x[FEW_LOADS];
-#pragma unroll
-        for (int j = 0; j < FEW_LOADS; j++) x[j] = v0 + j * 32 + lane < v_end ? src[v0 + j * 32 + lane] : 0.0f;
-#pragma unroll
-        for (int j = 0; j < FEW_LOADS; j++) {
-            const float q = q_of(scaled(x[j], inv_t), mx);
-            if (v0 + j * 32 + lane < v_end && q >= 0.0f) m += q;  // q >= 0 leaves out NaN
-        }
-    }
+    for_run(src, v_begin, v_end, [&](float x, int, bool in) {
+        const float q = q_of(scaled(x, inv_t), mx);
+        if (in && q >= 0.0f) m += q;  // q >= 0 leaves out NaN
+    });
     m = warp_sum(m);
     if (lane == 0) w_sum[warp] = m;
     if (tid == 0) pick = -1;
@@ -335,7 +411,7 @@ __device__ __noinline__ int sample_all(const float *__restrict__ src, int V, flo
         }
     }
     float t_lo, t_hi, t_all;
-    block_ranges<float>(local, t_lo, t_hi, t_all, f_tot);
+    block_ranges(local, t_lo, t_hi, t_all, f_tot);
     if (t_lo <= target && target < t_hi) {
         float acc = t_lo;
         int at = last_kept;
@@ -355,6 +431,28 @@ __device__ __noinline__ int sample_all(const float *__restrict__ src, int V, flo
     return pick >= 0 ? pick : (int)block_max_f((float)last_kept);
 }
 
+// The candidates of bins >= b_from with cand_q > 0 into t_idx, in id order; returns how many, and
+// in `before` the sum of cand_q over the others (in a fixed order). Each thread takes its
+// candidates i0 .. i1.
+__device__ __forceinline__ int list_bins_from(int b_from, const float *cand_s, const float *cand_q, float mx, int i0,
+                                              int i1, unsigned short *t_idx, float &before, float *f_tot) {
+    float v[2] = {0.0f, 0.0f}, lo[2], hi[2], total[2];
+    for (int i = i0; i < i1; i++) {
+        const float q = cand_q[i];
+        if (q > 0.0f) {
+            if (bin_of(cand_s[i], mx) >= b_from) v[0] += 1.0f;
+            else v[1] += q;
+        }
+    }
+    block_ranges_n<2>(v, lo, hi, total, f_tot);
+    int at = (int)lo[0];
+    for (int i = i0; i < i1; i++)
+        if (cand_q[i] > 0.0f && bin_of(cand_s[i], mx) >= b_from) t_idx[at++] = (unsigned short)i;
+    before = total[1];
+    __syncthreads();
+    return (int)total[0];
+}
+
 // The token of a row with top-k, top-p or min-p, or -1 where its kept tokens may lie beyond the
 // bins or be more than `cap` (the caller then bisects). The same thresholds as sample_bisect's:
 // top-k keeps keys >= the k-th largest, min-p q >= min_p, top-p q >= the largest q whose tokens
@@ -369,8 +467,9 @@ __device__ __noinline__ int sample_few(const float *__restrict__ src, int V, flo
     unsigned int *cum = reinterpret_cast<unsigned int *>(smem + WHIST_WORDS * 4);  // allowed tokens in bins <= b
     float *cum_lb = reinterpret_cast<float *>(cum + FEW_BINS);  // a lower and an upper bound of their mass
     float *cum_ub = cum_lb + FEW_BINS;
+    unsigned short *t_idx = reinterpret_cast<unsigned short *>(cum_ub + FEW_BINS);  // a threshold's candidates
     __shared__ unsigned int u_tot[WARPS], w_cnt[WARPS];
-    __shared__ float f_tot[WARPS];
+    __shared__ float f_tot[5 * (WARPS + 1)];
     __shared__ int last_bin, first_bin, pick;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     for (int i = tid; i < WHIST_WORDS; i += THREADS) whist[i] = 0u;
@@ -387,37 +486,26 @@ __device__ __noinline__ int sample_few(const float *__restrict__ src, int V, flo
     const float q_min = fmaxf(mp, 0.0f);  // min-p; q >= 0 also leaves out NaN
     float mass = 0.0f;
     unsigned int allowed = 0;
-    for (int v0 = v_begin; v0 < v_end; v0 += 32 * FEW_LOADS) {
-        float x[FEW_LOADS];
-#pragma unroll
-        for (int j = 0; j < FEW_LOADS; j++) x[j] = v0 + j * 32 + lane < v_end ? src[v0 + j * 32 + lane] : 0.0f;
-#pragma unroll
-        for (int j = 0; j < FEW_LOADS; j++) {
-            const float s = scaled(x[j], inv_t), q = q_of(s, mx);
-            if (v0 + j * 32 + lane < v_end && q >= q_min) {
-                mass += q;
-                allowed++;
-                const int b = bin_of(s, mx);
-                if (b < FEW_BINS) atomicAdd(h + (b >> 1), 1u << ((b & 1) << 4));
-            }
-        }
-    }
+    if (mp > 0.0f || tp < 1.0f) count_run<true>(src, v_begin, v_end, inv_t, mx, q_min, h, mass, allowed);
+    else count_run<false>(src, v_begin, v_end, inv_t, mx, q_min, h, mass, allowed);  // mass unused
     __syncthreads();
     unsigned int c = 0;  // this thread's bin, over the warps
     for (int w = 0; w < WARPS; w++) c += (whist[w * (FEW_BINS / 2) + (tid >> 1)] >> ((tid & 1) << 4)) & 0xffffu;
-    unsigned int c_lo, c_hi, c_all;
-    block_ranges<unsigned int>(c, c_lo, c_hi, c_all, u_tot);
-    cum[tid] = c_hi;
-    const float total_all = block_sum_f(mass);  // the allowed mass (min-p), in a fixed order
-    const unsigned int n_allowed = block_sum_u(allowed, u_tot);
-    const bool topk = k > 0 && (unsigned int)k < n_allowed;
-    // bounds of the allowed mass in bins <= b (bin b's tokens have e^-(b+1)/16 < q <= e^-b/16):
-    // the tokens at their bins' lower (upper) ends, or the total less the other tokens at their
-    // upper (lower) ends, which is tight where top_p is near 1; with room for the rounding
-    float lo_lo, lo_hi, lo_all, up_lo, up_hi, up_all;
+    // the bin's count, and bounds of its mass (bin b's tokens have e^-(b+1)/16 < q <= e^-b/16), in
+    // prefixes over the bins; the allowed mass and count, in totals (counts in floats: < 2^24)
     const float e = (float)tid * (1.0f / BINS_PER_NAT);
-    block_ranges<float>((float)c * __expf(-e - 1.0f / BINS_PER_NAT), lo_lo, lo_hi, lo_all, f_tot);
-    block_ranges<float>((float)c * __expf(-e), up_lo, up_hi, up_all, f_tot);
+    const float vals[5] = {(float)c, (float)c * __expf(-e - 1.0f / BINS_PER_NAT), (float)c * __expf(-e), mass,
+                           (float)allowed};
+    float b_lo[5], b_hi[5], b_all[5];
+    block_ranges_n<5>(vals, b_lo, b_hi, b_all, f_tot);
+    cum[tid] = (unsigned int)b_hi[0];
+    const unsigned int c_all = (unsigned int)b_all[0], n_allowed = (unsigned int)b_all[4];
+    const float total_all = b_all[3];  // the allowed mass (min-p), in a fixed order
+    const float lo_hi = b_hi[1], lo_all = b_all[1], up_hi = b_hi[2], up_all = b_all[2];
+    const bool topk = k > 0 && (unsigned int)k < n_allowed;
+    // lower (upper) bounds of the allowed mass in bins <= b: their tokens at their bins' lower
+    // (upper) ends, or the total less the other tokens at their upper (lower) ends, which is
+    // tight where top_p is near 1; with room for the rounding
     const float beyond = (float)(n_allowed - c_all) * __expf(-(float)FEW_BINS / BINS_PER_NAT);
     cum_lb[tid] = fmaxf(lo_hi * (1.0f - 1e-4f),
                         total_all * (1.0f - 1e-5f) - (up_all - up_hi) - up_all * 1e-5f - beyond);
@@ -447,27 +535,13 @@ __device__ __noinline__ int sample_few(const float *__restrict__ src, int V, flo
 
     // pass 2: the candidates, in id order: allowed, and d < the end of bin bc
     const float d_end = (float)(bc + 1) * (1.0f / BINS_PER_NAT);  // d < d_end <=> bin_of <= bc
-    for (int v0 = v_begin; v0 < v_end; v0 += 32 * FEW_LOADS) {
-        float x[FEW_LOADS];
-#pragma unroll
-        for (int j = 0; j < FEW_LOADS; j++) x[j] = v0 + j * 32 + lane < v_end ? src[v0 + j * 32 + lane] : 0.0f;
-#pragma unroll
-        for (int j = 0; j < FEW_LOADS; j++) {
-            const float s = scaled(x[j], inv_t);
-            const bool take = v0 + j * 32 + lane < v_end && __fsub_rn(mx, s) < d_end && (mp <= 0.0f || q_of(s, mx) >= q_min);
-            const unsigned int ballot = __ballot_sync(0xffffffffu, take);
-            const int at = pos + __popc(ballot & ((1u << lane) - 1u));
-            if (take && at < FEW_CAP) {
-                cand_s[at] = s;
-                cand_id[at] = v0 + j * 32 + lane;
-            }
-            pos += __popc(ballot);
-        }
-    }
+    if (mp > 0.0f) gather_run<true>(src, v_begin, v_end, inv_t, mx, q_min, d_end, pos, cand_s, cand_id);
+    else gather_run<false>(src, v_begin, v_end, inv_t, mx, q_min, d_end, pos, cand_s, cand_id);
     __syncthreads();
     for (int i = tid; i < n; i += THREADS) cand_key[i] = ord_key(cand_s[i]);
     __syncthreads();
 
+    const int per = (n + THREADS - 1) / THREADS, i0 = min(n, tid * per), i1 = min(n, i0 + per);
     // top-k: the largest key with at least k keys >= it, one of bin bc's (a warp a key)
     unsigned int kth = 0u;
     if (topk) {
@@ -484,29 +558,37 @@ __device__ __noinline__ int sample_few(const float *__restrict__ src, int V, flo
     }
     for (int i = tid; i < n; i += THREADS) cand_q[i] = cand_key[i] >= kth ? q_of(cand_s[i], mx) : 0.0f;
     __syncthreads();
-    const int per = (n + THREADS - 1) / THREADS, i0 = min(n, tid * per), i1 = min(n, i0 + per);
     float lo, hi, all;
     // top-p: the largest q whose tokens (q' >= q) hold `need`, one of the bins from the first whose
-    // upper bound reaches it (a warp a q; sums over lanes in a fixed order, and larger for a smaller q)
+    // upper bound reaches `need` (a warp a q; sums over lanes in a fixed order, larger for a smaller
+    // q). Past 512 candidates, those bins' candidates are listed first, and a q's sum runs over
+    // them alone, after the mass of the bins before.
     float q_keep = 0.0f;
     if (tp < 1.0f) {
         float need = p_need;
         if (topk) {
             float local = 0.0f;
             for (int i = i0; i < i1; i++) local += cand_q[i];
-            block_ranges<float>(local, lo, hi, all, f_tot);
+            block_ranges(local, lo, hi, all, f_tot);
             need = tp * all * (1.0f - 1e-6f);
         }
         if (cum_ub[tid] >= need && tid > 0 && cum_ub[tid - 1] < need) first_bin = tid;
         __syncthreads();
         const int b_first = first_bin;
+        const bool listed = n > 512;
+        float before = 0.0f;
+        const int nt = listed ? list_bins_from(b_first, cand_s, cand_q, mx, i0, i1, t_idx, before, f_tot) : n;
         float best = 0.0f;
-        for (int i = warp; i < n; i += WARPS) {
+        for (int t = warp; t < nt; t += WARPS) {
+            const int i = listed ? t_idx[t] : t;
             const float qi = cand_q[i];
-            if (qi <= best || bin_of(cand_s[i], mx) < b_first) continue;
+            if (qi <= best || (!listed && bin_of(cand_s[i], mx) < b_first)) continue;
             float m = 0.0f;
-            for (int j = lane; j < n; j += 32) m += cand_q[j] >= qi ? cand_q[j] : 0.0f;
-            if (warp_sum(m) >= need) best = qi;
+            for (int u = lane; u < nt; u += 32) {
+                const float q = cand_q[listed ? t_idx[u] : u];
+                m += q >= qi ? q : 0.0f;
+            }
+            if (before + warp_sum(m) >= need) best = qi;
         }
         q_keep = block_max_f(best);
         if (q_keep <= 0.0f) return -1;  // no q reaches it (rounding against the bounds): bisect
@@ -522,7 +604,7 @@ __device__ __noinline__ int sample_few(const float *__restrict__ src, int V, flo
             last_kept = i;
         }
     }
-    block_ranges<float>(local, lo, hi, all, f_tot);
+    block_ranges(local, lo, hi, all, f_tot);
     const float target = u * all;
     if (tid == 0) pick = -1;
     __syncthreads();

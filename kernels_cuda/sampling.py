@@ -9,7 +9,7 @@ from ._module import check, function, i32, launch, module, ptr_or_null
 
 THREADS = 1024
 FEW_CAP = 4096  # sampling.cu's FEW_CAP: tokens sample_few takes at most
-FEW_SMEM = (THREADS // 32) * (1024 // 2) * 4 + 1024 * 12  # sampling.cu's FEW_SMEM
+FEW_SMEM = (THREADS // 32) * (1024 // 2) * 4 + 1024 * 12 + FEW_CAP * 2  # sampling.cu's FEW_SMEM
 
 
 def sample_tokens(logits: cp.ndarray, work: cp.ndarray, params: dict[str, cp.ndarray], counts: cp.ndarray,
