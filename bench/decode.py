@@ -4,6 +4,8 @@
 
     python bench/decode.py --model random:llama3-8b --device cuda --batch 1,32,128 --prompt-len 512
 
+    python bench/decode.py --model SmolLM2-135M-Instruct --device cuda --batch 1 --temperature 0.8 --top-p 0.9
+
 For each batch size: B requests of `--prompt-len` tokens each, submitted at once to
 the engine running on its own thread (as under the server), each generating
 `--max-tokens` tokens. Reports output tokens/s over the whole run; decode tokens/s at
@@ -32,15 +34,17 @@ from engine.config import CacheConfig  # noqa: E402
 from engine.engine import freeze_long_lived  # noqa: E402
 
 
-def run_batch(engine: Engine, batch: int, prompt_len: int, max_tokens: int) -> dict:
+def run_batch(engine: Engine, batch: int, prompt_len: int, max_tokens: int, sampling: dict | None = None) -> dict:
     """One run of `batch` requests; the decode phase runs from the last request's first
     token to the end, and counts only the tokens sampled in it: steps after the one that
     gave that first token (requests admitted early have decoded some of their tokens
     before it). The step time is the median of the steps that sample a token for every
-    request (falling back to the last three quarters of all steps)."""
+    request (falling back to the last three quarters of all steps). sampling: SamplingParams'
+    temperature / top_p / top_k (default greedy), each request seeded by its index."""
     vocab = engine.model_config.vocab_size
     prompts = [[(17 + 31 * i + 7 * j) % (vocab - 300) + 100 for j in range(prompt_len)] for i in range(batch)]
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    sampling = sampling or {"temperature": 0.0}
+    params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=i, **sampling) for i in range(batch)]
     done = threading.Event()
     finished = []
     steps: list[tuple[float, float, int]] = []  # (end, seconds, rows that sample)
@@ -54,8 +58,8 @@ def run_batch(engine: Engine, batch: int, prompt_len: int, max_tokens: int) -> d
                 done.set()
 
     start = time.perf_counter()
-    for p in prompts:
-        engine.add_request(p, params, sink)
+    for p, sp in zip(prompts, params):
+        engine.add_request(p, sp, sink)
     if not done.wait(3600):
         raise TimeoutError("benchmark did not finish")
     end = time.perf_counter()
@@ -104,8 +108,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="auto, float16 or bfloat16 (the server's setting)")
     ap.add_argument("--schedule-prompts-ahead", action=argparse.BooleanOptionalAction, default=True,
                     help="as the server's setting (--no-schedule-prompts-ahead: off)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=None)
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
     batches = [int(b) for b in args.batch.split(",")]
     kv = int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None
     config = EngineConfig(model=args.model, device=args.device, quantization=args.quantization,
@@ -119,12 +127,12 @@ def main() -> None:
     engine.start()
     run_batch(engine, 1, args.prompt_len, 8)  # warm-up: compile, allocate, touch memory
     freeze_long_lived()  # as the engine process does: no full collection walks the model mid-run
-    results = [run_batch(engine, b, args.prompt_len, args.max_tokens) for b in batches]
+    results = [run_batch(engine, b, args.prompt_len, args.max_tokens, sampling) for b in batches]
     engine.shutdown()
     device = getattr(engine.runner, "device", "?")
     print(f"model={args.model} device={device} dtype={args.dtype} kv_cache_dtype={args.kv_cache_dtype} "
           f"quantization={args.quantization} prompt_len={args.prompt_len} "
-          f"max_tokens={args.max_tokens}"
+          f"max_tokens={args.max_tokens} temperature={args.temperature} top_p={args.top_p} top_k={args.top_k}"
           + (f" bandwidth={results[0]['bandwidth_gb_s']:.0f} GB/s" if "bandwidth_gb_s" in results[0] else ""))
     print(f"{'batch':>6} {'tok/s':>10} {'decode tok/s':>13} {'ms/step':>9} {'phase tok/s':>12} {'roofline tok/s':>15} "
           f"{'% roofline':>11}")
