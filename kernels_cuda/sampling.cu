@@ -367,6 +367,45 @@ __device__ __forceinline__ unsigned int block_max_u(unsigned int v, unsigned int
     return all;
 }
 
+// The draw in index order over each thread's run i0 .. i1 of weights w(i) (0: not kept; the runs
+// in thread order): the first index at which the running sum passes target_of(total), the total
+// being the block's sum; past the end (rounding), the last index kept. Every thread calls it and
+// gets the index (-1 where nothing is kept). pick: a shared int.
+template <typename W, typename T>
+__device__ __forceinline__ int draw_runs(int i0, int i1, W w, T target_of, float *f_tot, int &pick) {
+    float local = 0.0f;
+    int last_kept = -1;
+    for (int i = i0; i < i1; i++) {
+        const float q = w(i);
+        if (q > 0.0f) {
+            local += q;
+            last_kept = i;
+        }
+    }
+    float lo, hi, all;
+    block_ranges(local, lo, hi, all, f_tot);
+    const float target = target_of(all);
+    if (threadIdx.x == 0) pick = -1;
+    __syncthreads();
+    if (lo <= target && target < hi) {
+        float acc = lo;
+        int at = last_kept;
+        for (int i = i0; i < i1; i++) {
+            const float q = w(i);
+            if (q > 0.0f) {
+                acc += q;
+                if (acc > target) {
+                    at = i;
+                    break;
+                }
+            }
+        }
+        pick = at;
+    }
+    __syncthreads();
+    return pick >= 0 ? pick : (int)block_max_f((float)last_kept);
+}
+
 // The token of a row with no filter (a temperature alone): the draw in id order over the whole
 // row, in two levels. One pass sums q over each warp's run of ids (as sample_few's passes take
 // them); the run that holds the target is then split among the block's threads, a few ids each.
@@ -383,7 +422,6 @@ __device__ __noinline__ int sample_all(const float *__restrict__ src, int V, flo
     });
     m = warp_sum(m);
     if (lane == 0) w_sum[warp] = m;
-    if (tid == 0) pick = -1;
     __syncthreads();
     // the run whose range [lo, lo + its sum) holds u * total, found alike by every thread
     float total = 0.0f;
@@ -398,37 +436,13 @@ __device__ __noinline__ int sample_all(const float *__restrict__ src, int V, flo
         }
         lo = hi;
     }
+    if (run < 0) return -1;  // nothing to draw: no finite logit
     target -= lo;  // within the run; past its end (rounding) the run's last kept token is taken
     const int r0 = min(V, run * seg), r1 = min(V, r0 + seg);
     const int per = (r1 - r0 + THREADS - 1) / THREADS, i0 = min(r1, r0 + tid * per), i1 = min(r1, i0 + per);
-    float local = 0.0f;
-    int last_kept = -1;
-    for (int i = i0; i < i1; i++) {
-        const float q = q_of(scaled(src[i], inv_t), mx);
-        if (q > 0.0f) {
-            local += q;
-            last_kept = i;
-        }
-    }
-    float t_lo, t_hi, t_all;
-    block_ranges(local, t_lo, t_hi, t_all, f_tot);
-    if (t_lo <= target && target < t_hi) {
-        float acc = t_lo;
-        int at = last_kept;
-        for (int i = i0; i < i1; i++) {
-            const float q = q_of(scaled(src[i], inv_t), mx);
-            if (q > 0.0f) {
-                acc += q;
-                if (acc > target) {
-                    at = i;
-                    break;
-                }
-            }
-        }
-        pick = at;
-    }
-    __syncthreads();
-    return pick >= 0 ? pick : (int)block_max_f((float)last_kept);
+    return draw_runs(
+        i0, i1, [&](int i) { return fmaxf(q_of(scaled(src[i], inv_t), mx), 0.0f); },  // (NaN: 0)
+        [&](float) { return target; }, f_tot, pick);
 }
 
 // The candidates of bins >= b_from with cand_q > 0 into t_idx, in id order; returns how many, and
@@ -595,37 +609,10 @@ __device__ __noinline__ int sample_few(const float *__restrict__ src, int V, flo
     }
 
     // the draw, in id order over the candidates
-    float local = 0.0f;
-    int last_kept = -1;
-    for (int i = i0; i < i1; i++) {
-        const float q = cand_q[i];
-        if (q > 0.0f && q >= q_keep) {
-            local += q;
-            last_kept = i;
-        }
-    }
-    block_ranges(local, lo, hi, all, f_tot);
-    const float target = u * all;
-    if (tid == 0) pick = -1;
-    __syncthreads();
-    if (lo <= target && target < hi) {
-        float acc = lo;
-        int at = last_kept;
-        for (int i = i0; i < i1; i++) {
-            const float q = cand_q[i];
-            if (q > 0.0f && q >= q_keep) {
-                acc += q;
-                if (acc > target) {
-                    at = i;
-                    break;
-                }
-            }
-        }
-        pick = at;
-    }
-    __syncthreads();
-    const int at = pick >= 0 ? pick : (int)block_max_f((float)last_kept);  // past the end: the last kept
-    return cand_id[at];
+    const int at = draw_runs(
+        i0, i1, [&](int i) { return cand_q[i] >= q_keep ? cand_q[i] : 0.0f; }, [&](float all) { return u * all; },
+        f_tot, pick);
+    return at >= 0 ? cand_id[at] : -1;
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS) sample_tokens(

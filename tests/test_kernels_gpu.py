@@ -280,6 +280,29 @@ def test_sample_few_gives_the_bisections_tokens_and_numpys(V):
     assert len(mismatched_many) <= 4 * R // 20, mismatched_many
 
 
+def test_sampled_rows_with_no_finite_logit_give_0():
+    """A sampled row of -inf or of NaN gives token 0 (as a greedy one does), whatever its filters;
+    the rows beside it keep their own tokens."""
+    from kernels_cuda.sampling import plain_params, sample_tokens
+    V = 49152
+    filters = [(0, 1.0, 0.0), (0, 0.9, 0.0), (50, 1.0, 0.0), (0, 1.0, 0.1), (40, 0.9, 0.0)]
+    x = np.tile(rng.standard_normal(V).astype(np.float32) * 3, (3 * len(filters), 1))
+    x[0::3] = -np.inf
+    x[1::3] = np.nan
+    params = plain_params([0.8] * x.shape[0])
+    params["top_k"] = cp.asarray(np.repeat([f[0] for f in filters], 3).astype(np.int32))
+    params["top_p"] = cp.asarray(np.repeat([f[1] for f in filters], 3).astype(np.float32))
+    params["min_p"] = cp.asarray(np.repeat([f[2] for f in filters], 3).astype(np.float32))
+    for few_cap in (4096, 0):
+        sampled = cp.full(x.shape[0], -1, cp.int32)
+        sample_tokens(cp.asarray(x), cp.empty(x.shape, cp.float32), params, cp.zeros((1, V), cp.int32),
+                      cp.zeros((1, (V + 31) // 32), cp.uint32), sampled, few_cap=few_cap)
+        got = cp.asnumpy(sampled)
+        np.testing.assert_array_equal(got[0::3], 0)
+        np.testing.assert_array_equal(got[1::3], 0)
+        assert (got[2::3] > 0).all() and len(set(got[2::3])) > 1, got[2::3]
+
+
 def test_sampling_writes_the_host_and_logprobs_of_its_tokens():
     """sample_tokens with host_out and logprobs: each row's token also lands in pinned host
     memory at its out_index, and its logprobs are token_logprobs' (same bits) for that token."""
