@@ -7,7 +7,7 @@ import pytest
 
 from engine.outputs import ScheduledSeq, SchedulerOutput
 from engine.request import SamplingParams
-from engine.runner.sampling import allowed_probs, log_softmax, sample_rows, seeded_uniform
+from engine.runner.sampling import _nucleus_threshold, allowed_probs, draw, log_softmax, sample_rows, seeded_uniform
 
 V = 1000
 DRAWS = 10_000
@@ -65,6 +65,32 @@ def test_combined_filters_and_temperature(logits):
     allowed = set(kept[order[:cut]])
     picks = draw_many(logits, SamplingParams(temperature=0.7, top_k=20, min_p=0.05, top_p=0.9))
     assert set(picks) <= allowed
+
+
+@pytest.mark.parametrize("size", [7, 64, 65, 600, 49152])
+def test_top_p_threshold_and_draw_are_those_of_the_full_sort_and_cdf(size):
+    """The nucleus threshold taken from the largest 64, 512, ... nonzero values keeps what the full
+    sort's keeps, and the draw over the nonzero probabilities alone gives the full cdf's token:
+    peaked, flat, tied and partly zero rows, top_p from 0.1 to 1 - 1e-6."""
+    r = np.random.default_rng(size)
+    for shape in ("peaked", "flat", "ties", "zeros"):
+        x = r.standard_normal(size) * (0.1 if shape == "flat" else 3)
+        x = np.round(x) if shape == "ties" else x
+        p = np.exp(x - x.max())
+        p[r.random(size) < (0.5 if shape == "zeros" else 0.0)] = 0.0
+        p[np.argmax(x)] = 1.0
+        p /= p.sum()
+        desc = np.sort(p)[::-1]
+        cum = np.cumsum(desc)
+        for top_p in (0.1, 0.5, 0.9, 0.99, 1 - 1e-6):
+            want = desc[min(int(np.searchsorted(cum, top_p * (1.0 - 1e-12))), size - 1)]
+            got = _nucleus_threshold(p, top_p)
+            assert got > 0 and np.array_equal(p >= got, p >= want), (shape, top_p)
+        cdf = np.cumsum(p)
+        for u in np.append(r.random(20), [0.0, 1.0 - 2**-24]):
+            want = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+            want = want if want < size and p[want] > 0 else int(np.flatnonzero(p)[-1])
+            assert draw(p, float(u)) == want, (shape, u)
 
 
 def test_draws_follow_the_distribution(logits):

@@ -90,23 +90,38 @@ def allowed_probs(logits: np.ndarray, temperature: float, top_k: int | None, top
         probs = np.where(probs >= min_p * probs.max(), probs, 0.0)
         probs /= probs.sum()
     if top_p < 1.0:
-        desc = np.sort(probs)[::-1]
-        # the smallest prefix whose mass reaches top_p; its last value is the threshold
-        cut = int(np.searchsorted(np.cumsum(desc), top_p * (1.0 - 1e-12)))
-        threshold = desc[min(cut, desc.size - 1)]
+        threshold = _nucleus_threshold(probs, top_p)
         probs = np.where(probs >= threshold, probs, 0.0)
         probs /= probs.sum()
     return probs
 
 
+def _nucleus_threshold(probs: np.ndarray, top_p: float) -> float:
+    """top-p's threshold: the value at which the running sum of the probabilities in descending
+    order first reaches top_p. Zeros sort last and add nothing, and the running sums over the m
+    largest values, in that order, are the first m of the full sort's: so they are taken over
+    the nonzero values, from the largest 64, 512, ... first."""
+    need = top_p * (1.0 - 1e-12)  # the smallest prefix whose mass reaches top_p; its last value
+    vals = probs[probs > 0.0]
+    m = 64
+    while m < vals.size:
+        top = np.sort(np.partition(vals, vals.size - m)[vals.size - m:])[::-1]
+        cut = int(np.searchsorted(np.cumsum(top), need))
+        if cut < m:
+            return float(top[cut])
+        m *= 8
+    desc = np.sort(vals)[::-1]
+    cut = int(np.searchsorted(np.cumsum(desc), need))
+    return float(desc[min(cut, desc.size - 1)])  # past the end (rounding): every nonzero value
+
+
 def draw(probs: np.ndarray, u: float) -> int:
-    """Inverse-CDF draw in token-id order; never returns a zero-probability token."""
-    cdf = np.cumsum(probs)
-    idx = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
-    nonzero = np.flatnonzero(probs)
-    if idx >= probs.size or probs[idx] == 0.0:  # rounding at the ends of the cdf
-        idx = int(nonzero[np.clip(np.searchsorted(nonzero, idx), 0, nonzero.size - 1)])
-    return idx
+    """Inverse-CDF draw in token-id order; never returns a zero-probability token. The running
+    sums over the nonzero probabilities alone are the full ones at their ids (zeros add nothing)."""
+    kept = np.flatnonzero(probs)
+    cdf = np.cumsum(probs[kept] if kept.size < probs.size else probs)
+    at = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+    return int(kept[min(at, kept.size - 1)])  # past the end (rounding): the last kept token
 
 
 def sample_rows(out: SchedulerOutput, logits: np.ndarray, all_logits: bool = False,
