@@ -542,7 +542,8 @@ def mixed_table(shape_name: str, decodes: int, context: int, prompts: int, promp
 
 
 SAMPLING_CASES = (("greedy", 0.0, 0, 1.0), ("t 0.8", 0.8, 0, 1.0), ("t 0.8 top_p 0.9", 0.8, 0, 0.9),
-                  ("t 0.8 top_k 50", 0.8, 50, 1.0), ("t 0.8 top_k 50 top_p 0.9", 0.8, 50, 0.9))
+                  ("t 0.8 top_k 50", 0.8, 50, 1.0), ("t 0.8 top_k 50 top_p 0.9", 0.8, 50, 0.9),
+                  ("t 1.0 top_p 0.9", 1.0, 0, 0.9))  # the last: a nucleus of 6,422 of 128,256 logits
 
 
 def sampling_table(vocab: int, batches: list[int]) -> list[str]:

@@ -282,15 +282,20 @@ __device__ __forceinline__ void count_run(const float *__restrict__ src, int v_b
     });
 }
 
-// sample_few's second pass: the allowed tokens of bins < d_end, in id order, from cand[pos]
-template <bool MP>
+// sample_few's second pass: the allowed tokens with d_lo <= d < d_end (bins b_lo .. bc), in id
+// order, from cand[pos]; with Q (min-p, or bins from b_lo > 0), q too, and the mass of the allowed
+// tokens with d < d_lo summed into `before`
+template <bool Q>
 __device__ __forceinline__ void gather_run(const float *__restrict__ src, int v_begin, int v_end, float inv_t,
-                                           float mx, float q_min, float d_end, int pos, float *cand_s,
-                                           int *cand_id) {
+                                           float mx, float q_min, float d_lo, float d_end, int pos, float *cand_s,
+                                           int *cand_id, float &before) {
     const unsigned int below = (1u << (threadIdx.x & 31)) - 1u;
     for_run(src, v_begin, v_end, [&](float x, int v, bool in) {
-        const float s = scaled(x, inv_t);
-        const bool take = in && __fsub_rn(mx, s) < d_end && (!MP || q_of(s, mx) >= q_min);
+        const float s = scaled(x, inv_t), d = __fsub_rn(mx, s);
+        const float q = Q ? __expf(-d) : 0.0f;  // q_of's bits
+        const bool ok = in && (!Q || q >= q_min);
+        if (Q && ok && d < d_lo) before += q;
+        const bool take = ok && d >= d_lo && d < d_end;
         const unsigned int ballot = __ballot_sync(0xffffffffu, take);
         if (ballot != 0u) {
             const int at = pos + __popc(ballot & below);
@@ -406,10 +411,12 @@ __device__ __forceinline__ int draw_runs(int i0, int i1, W w, T target_of, float
     return pick >= 0 ? pick : (int)block_max_f((float)last_kept);
 }
 
-// The token of a row with no filter (a temperature alone): the draw in id order over the whole
-// row, in two levels. One pass sums q over each warp's run of ids (as sample_few's passes take
+// The draw in id order over the whole row of the tokens with q >= q_keep: a row with no filter (a
+// temperature alone, q_keep 0), or one whose top-p sample_few thresholds over too many tokens to
+// hold. In two levels: one pass sums q over each warp's run of ids (as sample_few's passes take
 // them); the run that holds the target is then split among the block's threads, a few ids each.
-__device__ __noinline__ int sample_all(const float *__restrict__ src, int V, float inv_t, float mx, float u) {
+__device__ __noinline__ int sample_all(const float *__restrict__ src, int V, float inv_t, float mx, float u,
+                                       float q_keep) {
     __shared__ float w_sum[WARPS], f_tot[WARPS + 1];
     __shared__ int pick;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -418,7 +425,7 @@ __device__ __noinline__ int sample_all(const float *__restrict__ src, int V, flo
     float m = 0.0f;
     for_run(src, v_begin, v_end, [&](float x, int, bool in) {
         const float q = q_of(scaled(x, inv_t), mx);
-        if (in && q >= 0.0f) m += q;  // q >= 0 leaves out NaN
+        if (in && q >= q_keep) m += q;  // q_keep >= 0 leaves out NaN
     });
     m = warp_sum(m);
     if (lane == 0) w_sum[warp] = m;
@@ -441,7 +448,11 @@ __device__ __noinline__ int sample_all(const float *__restrict__ src, int V, flo
     const int r0 = min(V, run * seg), r1 = min(V, r0 + seg);
     const int per = (r1 - r0 + THREADS - 1) / THREADS, i0 = min(r1, r0 + tid * per), i1 = min(r1, i0 + per);
     return draw_runs(
-        i0, i1, [&](int i) { return fmaxf(q_of(scaled(src[i], inv_t), mx), 0.0f); },  // (NaN: 0)
+        i0, i1,
+        [&](int i) {
+            const float q = q_of(scaled(src[i], inv_t), mx);
+            return q >= q_keep ? q : 0.0f;  // (NaN: 0)
+        },
         [&](float) { return target; }, f_tot, pick);
 }
 
@@ -468,11 +479,12 @@ __device__ __forceinline__ int list_bins_from(int b_from, const float *cand_s, c
 }
 
 // The token of a row with top-k, top-p or min-p, or -1 where its kept tokens may lie beyond the
-// bins or be more than `cap` (the caller then bisects). The same thresholds as sample_bisect's:
+// bins or be more than `cap` (the caller then bisects), or -2 where the caller draws over the
+// row the tokens with q >= q_wide (sample_all). The same thresholds as sample_bisect's:
 // top-k keeps keys >= the k-th largest, min-p q >= min_p, top-p q >= the largest q whose tokens
 // (q' >= q) hold top_p of the allowed mass. Every thread calls it; it returns the same value to all.
 __device__ __noinline__ int sample_few(const float *__restrict__ src, int V, float inv_t, float mx, int k,
-                                       float tp, float mp, float u, int cap, unsigned char *smem) {
+                                       float tp, float mp, float u, int cap, unsigned char *smem, float &q_wide) {
     unsigned int *whist = reinterpret_cast<unsigned int *>(smem);
     float *cand_s = reinterpret_cast<float *>(smem);  // the candidates, in id order, in whist's place
     int *cand_id = reinterpret_cast<int *>(smem + FEW_CAP * 4);
@@ -510,12 +522,12 @@ __device__ __noinline__ int sample_few(const float *__restrict__ src, int V, flo
     const float e = (float)tid * (1.0f / BINS_PER_NAT);
     const float vals[5] = {(float)c, (float)c * __expf(-e - 1.0f / BINS_PER_NAT), (float)c * __expf(-e), mass,
                            (float)allowed};
-    float b_lo[5], b_hi[5], b_all[5];
-    block_ranges_n<5>(vals, b_lo, b_hi, b_all, f_tot);
-    cum[tid] = (unsigned int)b_hi[0];
-    const unsigned int c_all = (unsigned int)b_all[0], n_allowed = (unsigned int)b_all[4];
-    const float total_all = b_all[3];  // the allowed mass (min-p), in a fixed order
-    const float lo_hi = b_hi[1], lo_all = b_all[1], up_hi = b_hi[2], up_all = b_all[2];
+    float p_lo[5], p_hi[5], p_all[5];
+    block_ranges_n<5>(vals, p_lo, p_hi, p_all, f_tot);
+    cum[tid] = (unsigned int)p_hi[0];
+    const unsigned int c_all = (unsigned int)p_all[0], n_allowed = (unsigned int)p_all[4];
+    const float total_all = p_all[3];  // the allowed mass (min-p), in a fixed order
+    const float lo_hi = p_hi[1], lo_all = p_all[1], up_hi = p_hi[2], up_all = p_all[2];
     const bool topk = k > 0 && (unsigned int)k < n_allowed;
     // lower (upper) bounds of the allowed mass in bins <= b: their tokens at their bins' lower
     // (upper) ends, or the total less the other tokens at their upper (lower) ends, which is
@@ -537,20 +549,37 @@ __device__ __noinline__ int sample_few(const float *__restrict__ src, int V, flo
     if (here) last_bin = tid;
     __syncthreads();
     const int bc = last_bin;
-    if (bc < 0 || cum[bc] > (unsigned int)cap || cum[bc] == 0u) return -1;
-    const int n = (int)cum[bc];
+    if (bc < 0 || cum[bc] == 0u) return -1;
+    // the candidates: bins b_lo .. bc. Past `cap`, top-p alone (no top-k) takes them from the first
+    // bin its threshold can lie in; the mass of the bins before is summed in pass 2, and the draw
+    // runs over the whole row (sample_all).
+    int b_lo = 0;
+    if (cum[bc] > (unsigned int)cap) {
+        if (topk || tp >= 1.0f) return -1;
+        if (cum_ub[tid] >= p_need && tid > 0 && cum_ub[tid - 1] < p_need) first_bin = tid;
+        __syncthreads();
+        b_lo = first_bin;
+        if (b_lo == 0 || cum[bc] - cum[b_lo - 1] > (unsigned int)cap) return -1;
+    }
+    const bool wide = b_lo > 0;
+    const int n = (int)(cum[bc] - (wide ? cum[b_lo - 1] : 0u));
     unsigned int mine = 0;  // this warp's candidates
-    for (int b = lane; b <= bc; b += 32) mine += (h[b >> 1] >> ((b & 1) << 4)) & 0xffffu;
+    for (int b = b_lo + lane; b <= bc; b += 32) mine += (h[b >> 1] >> ((b & 1) << 4)) & 0xffffu;
     mine = __reduce_add_sync(0xffffffffu, mine);
     if (lane == 0) w_cnt[warp] = mine;
     __syncthreads();  // ... and every warp has read its counts before the candidates replace them
     int pos = 0;
     for (int w = 0; w < warp; w++) pos += (int)w_cnt[w];
 
-    // pass 2: the candidates, in id order: allowed, and d < the end of bin bc
-    const float d_end = (float)(bc + 1) * (1.0f / BINS_PER_NAT);  // d < d_end <=> bin_of <= bc
-    if (mp > 0.0f) gather_run<true>(src, v_begin, v_end, inv_t, mx, q_min, d_end, pos, cand_s, cand_id);
-    else gather_run<false>(src, v_begin, v_end, inv_t, mx, q_min, d_end, pos, cand_s, cand_id);
+    // pass 2: the candidates, in id order: allowed, and d_lo <= d < the end of bin bc
+    const float d_lo = (float)b_lo * (1.0f / BINS_PER_NAT), d_end = (float)(bc + 1) * (1.0f / BINS_PER_NAT);
+    float before = 0.0f;  // (wide) the mass of the allowed tokens before bin b_lo
+    if (mp > 0.0f || wide) gather_run<true>(src, v_begin, v_end, inv_t, mx, q_min, d_lo, d_end, pos, cand_s, cand_id, before);
+    else gather_run<false>(src, v_begin, v_end, inv_t, mx, q_min, d_lo, d_end, pos, cand_s, cand_id, before);
+    if (wide) {
+        float lo, hi;
+        block_ranges(before, lo, hi, before, f_tot);  // the total, in a fixed order
+    }
     __syncthreads();
     for (int i = tid; i < n; i += THREADS) cand_key[i] = ord_key(cand_s[i]);
     __syncthreads();
@@ -589,8 +618,7 @@ __device__ __noinline__ int sample_few(const float *__restrict__ src, int V, flo
         if (cum_ub[tid] >= need && tid > 0 && cum_ub[tid - 1] < need) first_bin = tid;
         __syncthreads();
         const int b_first = first_bin;
-        const bool listed = n > 512;
-        float before = 0.0f;
+        const bool listed = !wide && n > 512;  // (wide: every candidate is of those bins)
         const int nt = listed ? list_bins_from(b_first, cand_s, cand_q, mx, i0, i1, t_idx, before, f_tot) : n;
         float best = 0.0f;
         for (int t = warp; t < nt; t += WARPS) {
@@ -598,8 +626,8 @@ __device__ __noinline__ int sample_few(const float *__restrict__ src, int V, flo
             const float qi = cand_q[i];
             if (qi <= best || (!listed && bin_of(cand_s[i], mx) < b_first)) continue;
             float m = 0.0f;
-            for (int u = lane; u < nt; u += 32) {
-                const float q = cand_q[listed ? t_idx[u] : u];
+            for (int j = lane; j < nt; j += 32) {
+                const float q = cand_q[listed ? t_idx[j] : j];
                 m += q >= qi ? q : 0.0f;
             }
             if (before + warp_sum(m) >= need) best = qi;
@@ -608,7 +636,11 @@ __device__ __noinline__ int sample_few(const float *__restrict__ src, int V, flo
         if (q_keep <= 0.0f) return -1;  // no q reaches it (rounding against the bounds): bisect
     }
 
-    // the draw, in id order over the candidates
+    // the draw, in id order over the candidates (wide: the caller's, over the row)
+    if (wide) {
+        q_wide = q_keep;
+        return -2;
+    }
     const int at = draw_runs(
         i0, i1, [&](int i) { return cand_q[i] >= q_keep ? cand_q[i] : 0.0f; }, [&](float all) { return u * all; },
         f_tot, pick);
@@ -689,11 +721,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_tokens(
         const float tp = top_p[row], mp = min_p[row];
         const float u = seeded_uniform(seeds[row], (unsigned long long)counters[row]);
         token = -1;
-        if (few_cap > 0 && ((k > 0 && k < V) || tp < 1.0f || mp > 0.0f))
-            token = sample_few(src, V, inv_t, mx, k, tp, mp, u, min(few_cap, FEW_CAP), few_smem);
-        if (few_used != nullptr && tid == 0) few_used[row] = token >= 0;
-        if (token < 0) token = few_cap > 0 && !(k > 0 && k < V) && tp >= 1.0f && mp <= 0.0f
-                                   ? sample_all(src, V, inv_t, mx, u)
+        float q_keep = 0.0f;  // sample_all's: 0, or (sample_few gave -2) top-p's threshold
+        const bool filtered = (k > 0 && k < V) || tp < 1.0f || mp > 0.0f;
+        if (few_cap > 0 && filtered)
+            token = sample_few(src, V, inv_t, mx, k, tp, mp, u, min(few_cap, FEW_CAP), few_smem, q_keep);
+        if (few_used != nullptr && tid == 0) few_used[row] = token >= 0 || token == -2;
+        if (token < 0) token = few_cap > 0 && (!filtered || token == -2)
+                                   ? sample_all(src, V, inv_t, mx, u, q_keep)
                                    : sample_bisect(src, V, inv_t, mx, k, tp, mp, u);
         token = max(token, 0);  // a row with no finite logit: 0, as greedy gives
     }
