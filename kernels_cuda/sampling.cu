@@ -211,9 +211,10 @@ __device__ __noinline__ int sample_bisect(const float *__restrict__ src, int V, 
 // find them: the first counts the tokens in bins of d = max - s (1/16 nat wide, 64 nats deep),
 // which bounds the last bin a kept token can lie in; the second gathers the tokens up to that
 // bin, in id order, into shared memory. The thresholds (each from the few candidates of the bins
-// it can lie in, a warp a candidate summing over all of them) and the draw (in id order, as
-// sample_bisect's) then read shared memory only. Every sum is over threads in a
-// fixed order, so a row's token depends on its logits alone.
+// it can lie in, a warp a candidate summing over the others) and the draw (in id order, as
+// sample_bisect's) then read shared memory only. A nucleus of more tokens than that holds
+// gathers only the bins its threshold can lie in, and is drawn over the row (sample_all). Every
+// sum is over threads in a fixed order, so a row's token depends on its logits alone.
 #define WARPS (THREADS / 32)
 #define FEW_BINS 1024  // == THREADS: a bin a thread where the bins are scanned
 #define BINS_PER_NAT 16.0f

@@ -24,9 +24,11 @@ def sample_tokens(logits: cp.ndarray, work: cp.ndarray, params: dict[str, cp.nda
 
     A row with top-k, top-p or min-p whose filters keep at most few_cap tokens (and whose kept
     tokens lie within 64 nats of its largest logit) takes its thresholds from those tokens,
-    gathered into shared memory (sample_few); other rows bisect over the whole row. few_cap=0 makes
-    every row bisect (the tests compare the two). few_used (R,) int32, if given, gets 1 for each
-    sampled row whose token sample_few gave, 0 for the other sampled rows (greedy rows: untouched).
+    gathered into shared memory (sample_few); a top-p row whose nucleus is larger, from the
+    tokens of the bins its threshold can lie in, if those are at most few_cap. Other rows with
+    filters bisect over the whole row. few_cap=0 makes every row bisect (the tests compare the
+    two). few_used (R,) int32, if given, gets 1 for each sampled row whose threshold sample_few
+    found, 0 for the other sampled rows (greedy rows: untouched).
 
     params: per-row device arrays temperature, top_p, min_p, rep_pen, freq_pen, pres_pen
     (float32); top_k, counters, pen_slot, bias_n, banned_n (int32); seeds (uint64);
