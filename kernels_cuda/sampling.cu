@@ -219,9 +219,7 @@ __device__ __noinline__ int sample_bisect(const float *__restrict__ src, int V, 
 #define FEW_BINS 1024  // == THREADS: a bin a thread where the bins are scanned
 #define BINS_PER_NAT 16.0f
 #define FEW_CAP 4096   // candidates at most (sampling.FEW_CAP)
-#ifndef FEW_LOADS
 #define FEW_LOADS 8    // loads in flight a lane in the passes over the row
-#endif
 // dynamic shared memory: each warp's bin counts (16-bit, two a word), which the candidates
 // (their scaled logits, ids, keys and q) replace; then the bins' prefixes (count, mass bounds),
 // and the candidates a threshold can be
@@ -229,10 +227,6 @@ __device__ __noinline__ int sample_bisect(const float *__restrict__ src, int V, 
 #define FEW_SMEM (WHIST_WORDS * 4 + FEW_BINS * 12 + FEW_CAP * 2)  // sampling.FEW_SMEM
 static_assert(FEW_BINS == THREADS, "a bin a thread");
 static_assert(FEW_CAP * 16 <= WHIST_WORDS * 4, "the candidates take the counts' place");
-
-__device__ __forceinline__ float key_float(unsigned int k) {  // ord_key's inverse
-    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
-}
 
 // s, q and the bin of a logit, rounded the same in both passes (no contraction across them)
 __device__ __forceinline__ float scaled(float x, float inv_t) { return __fmul_rn(x, inv_t); }

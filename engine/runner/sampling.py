@@ -104,15 +104,13 @@ def _nucleus_threshold(probs: np.ndarray, top_p: float) -> float:
     need = top_p * (1.0 - 1e-12)  # the smallest prefix whose mass reaches top_p; its last value
     vals = probs[probs > 0.0]
     m = 64
-    while m < vals.size:
-        top = np.sort(np.partition(vals, vals.size - m)[vals.size - m:])[::-1]
-        cut = int(np.searchsorted(np.cumsum(top), need))
-        if cut < m:
-            return float(top[cut])
+    while True:
+        whole = m >= vals.size
+        desc = np.sort(vals if whole else np.partition(vals, vals.size - m)[vals.size - m:])[::-1]
+        cut = int(np.searchsorted(np.cumsum(desc), need))
+        if cut < desc.size or whole:
+            return float(desc[min(cut, desc.size - 1)])  # past the end (rounding): every nonzero value
         m *= 8
-    desc = np.sort(vals)[::-1]
-    cut = int(np.searchsorted(np.cumsum(desc), need))
-    return float(desc[min(cut, desc.size - 1)])  # past the end (rounding): every nonzero value
 
 
 def draw(probs: np.ndarray, u: float) -> int:
