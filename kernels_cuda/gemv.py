@@ -26,6 +26,21 @@ MAX_ROWS = 16
 CONFIG = {"WARPS": 8, "DEPTH": 8}
 CONFIG_WIDE = {"WARPS": 8, "DEPTH": 4}  # from 5 rows on
 PREFETCH_BUDGET = 12 << 20  # bytes of a matrix asked into the L2 while the previous kernel ends
+# 16-bit rows of at most FITTED_MAX_ROW_BYTES (e4m3 rows of half that) at 1 to FITTED_MAX_ROWS rows
+# (not staged, not Q8_0) take FITTED_TILES tiles a block (as beyond 8 rows already) and passes of just
+# the chunks a warp has in the row: DEPTH = FITTED_TILES x ceil(chunks / WARPS) (fitted_config), so
+# the whole row comes in before the wait (PRELOAD) and no pass runs on masked chunks. CONFIG's DEPTH 8
+# gave SmolLM2's 576-value rows 8 chunks a warp of which 2-3 exist, one tile made 72-120 blocks a
+# product, and CONFIG_WIDE's DEPTH 4 left those rows past the first pass. H200, decode graphs of random
+# weights at 96 keys, before -> after alternated in one process, us (the same bits; forty-first
+# session): SmolLM2 B=1 365.8 -> 325.7, B=4 438.2 -> 395.4, B=8 492.4 -> 403.3, B=12 556.3 -> 455.7,
+# B=16 590.1 -> 498.0; with e4m3 weights B=1 385.8 -> 353.3, B=8 454.4 -> 430.0; Llama-3.2-1B (4 KB
+# rows) B=1 868.9 -> 856.7, B=8 979.6 -> 923.8, B=16 1,073.4 -> 1,019.9. One tile with fitted passes
+# was slower at one row (399.2 against 363.1), four tiles (a form built for the measurement) slower
+# than two (341.5 against 323.3).
+FITTED_MAX_ROW_BYTES = 4096
+FITTED_MAX_ROWS = MAX_ROWS
+FITTED_TILES = 2
 
 
 # 16-bit weights at 1-8 rows take two 8-feature tiles a block in the matrices with the most
@@ -90,6 +105,19 @@ def staged_config(rows: int) -> dict:
     return STAGED_CONFIG if rows <= 8 else STAGED_CONFIG_WIDE
 
 
+def fitted_config(rows: int, row_bytes: int, fp8: bool = False) -> dict | None:
+    """The shape constants of a product of `rows` rows of row_bytes (e4m3 codes with fp8) whose
+    passes fit the row (see FITTED_MAX_ROW_BYTES; FITTED_TILES tiles), or None where it takes the
+    others. e4m3 rows go up to half as many bytes, the same k-values: Llama-3-8B's 4 KB rows of
+    codes were not measured in this form and keep CONFIG and CONFIG_WIDE."""
+    chunks = -(-row_bytes // 64)  # a row's 64-byte chunks (4 lanes' 16-byte loads)
+    per = -(-chunks // CONFIG["WARPS"])  # those of each warp
+    limit = FITTED_MAX_ROW_BYTES // (2 if fp8 else 1)
+    if rows > FITTED_MAX_ROWS or per * CONFIG["WARPS"] * 64 > limit:
+        return None
+    return {"WARPS": CONFIG["WARPS"], "DEPTH": FITTED_TILES * per}
+
+
 def default_config(rows: int) -> dict:
     """gemv.cu's shape constants for a product of `rows` rows (CONFIG or CONFIG_WIDE)."""
     return CONFIG if rows <= 4 else CONFIG_WIDE
@@ -98,12 +126,16 @@ def default_config(rows: int) -> dict:
 def tiles(rows: int, fp8: bool = False, row_bytes: int = 0, n: int = 0, config: dict | None = None) -> int:
     """8-feature tiles a block computes: two for e4m3 weights (H200, Llama-3-8B matrices at 1
     row: one tile left each block a single pass over its 8 rows and ran at ~2.4 TB/s) and
-    beyond 8 rows; for 16-bit weights at 1-8 rows one, except for n >= TWO_TILES_MIN_N rows of
-    weights, or n >= TWO_TILES_MIN_N_SHORT rows of row_bytes that two tiles still preload
-    (with config, default_config(rows) if None)."""
+    beyond 8 rows; for 16-bit weights at 1-8 rows FITTED_TILES where the config is
+    fitted_config's (config None: fitted_config, else default_config), else one, except for n >=
+    TWO_TILES_MIN_N rows of weights, or n >= TWO_TILES_MIN_N_SHORT rows of row_bytes that two tiles
+    still preload."""
     if rows > 8 or fp8:
         return 2
-    cfg = config or default_config(rows)
+    fitted = fitted_config(rows, row_bytes)
+    cfg = config or fitted or default_config(rows)
+    if cfg == fitted:
+        return FITTED_TILES
     if n >= TWO_TILES_MIN_N or (n >= TWO_TILES_MIN_N_SHORT and preload(row_bytes, cfg, 2)):
         return 2
     return 1
@@ -202,7 +234,7 @@ def _launch(name: str, x: cp.ndarray, w, extra: tuple, pdl: bool, config: dict |
     elif q8:
         cfg = q8_config(B, K)
     else:
-        cfg = staged_config(B) if staged(N, row_bytes, fp8) else default_config(B)
+        cfg = staged_config(B) if staged(N, row_bytes, fp8) else fitted_config(B, row_bytes, fp8) or default_config(B)
     in_stages = bool(cfg.get("STAGED"))
     if in_stages and narrow:
         raise ValueError("gemv: the staged form takes 16-bit weights")

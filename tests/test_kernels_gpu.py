@@ -616,10 +616,16 @@ def test_gemv(dtype, B, K):
 
 @pytest.mark.parametrize("N", [100, 2048])
 def test_gemv_rows_do_not_depend_on_the_batch(N):
-    """The same bits whatever the rows, across kernels and tile counts: at N = 2048 (rows of 1 KB)
-    one to four rows take two feature tiles a block, five to eight one (gemv.tiles)."""
+    """The same bits whatever the rows, across kernels, tile counts and passes: rows of 1 KB take two
+    feature tiles a block and passes of 3 chunks a warp at every row count (gemv.fitted_config);
+    CONFIG and CONFIG_WIDE give them one tile at N = 100, and at N = 2048 CONFIG two
+    (TWO_TILES_MIN_N_SHORT), CONFIG_WIDE one, past its first pass."""
+    import kernels_cuda.gemv as gv
     from kernels_cuda.gemv import gemv, tiles
-    assert [tiles(b, False, 1040, N) for b in (1, 4, 5, 8)] == ([2, 2, 1, 1] if N == 2048 else [1] * 4)
+    assert all(gv.fitted_config(b, 1040) == {"WARPS": 8, "DEPTH": 6} for b in (1, 4, 5, 8, 9, 16))
+    assert gv.fitted_config(1, 4104) is None  # past 4 KB: CONFIG and CONFIG_WIDE
+    assert [tiles(b, False, 1040, N) for b in (1, 4, 5, 8)] == [2] * 4
+    assert [tiles(1, False, 1040, N, c) for c in (gv.CONFIG, gv.CONFIG_WIDE)] == ([2, 1] if N == 2048 else [1, 1])
     x = to_dev(rng.standard_normal((16, 520)).astype(np.float32), "float16")
     w = to_dev(rng.standard_normal((N, 520)).astype(np.float32), "float16")
     together = cp.asnumpy(gemv(x, w))
@@ -627,6 +633,9 @@ def test_gemv_rows_do_not_depend_on_the_batch(N):
         np.testing.assert_array_equal(cp.asnumpy(gemv(x[b:b + 1], w))[0], together[b])
     for n in (4, 5, 8):  # the 8-row kernels too
         np.testing.assert_array_equal(cp.asnumpy(gemv(x[:n], w)), together[:n])
+    for config in (gv.CONFIG, gv.CONFIG_WIDE):
+        for n in (1, 4, 8):
+            np.testing.assert_array_equal(cp.asnumpy(gemv(x[:n], w, config=config)), together[:n])
 
 
 @pytest.mark.parametrize("config", [{"WARPS": 8, "DEPTH": 8}, {"WARPS": 4, "DEPTH": 4}, {"WARPS": 16, "DEPTH": 2}],
@@ -757,12 +766,13 @@ def maybe_fp8(w: cp.ndarray, wfp8: bool):
 @pytest.mark.parametrize("B", [1, 5, 12])
 @pytest.mark.parametrize("wfp8", [False, True], ids=["w16", "w8"])
 @pytest.mark.parametrize("inter", [88, 1024])
-def test_gemv_silu_is_gemv_then_silu_mul(dtype, B, wfp8, inter):
-    """The gate/up product with SiLU * up in its epilogue gives the bits of the two kernels
-    (inter 1024: 16-bit weights take two tiles a block at 1-8 rows too, gemv.tiles)."""
+@pytest.mark.parametrize("K", [272, 4112])
+def test_gemv_silu_is_gemv_then_silu_mul(dtype, B, wfp8, inter, K):
+    """The gate/up product with SiLU * up in its epilogue gives the bits of the two kernels. Rows of
+    K = 272 take two tiles a block (gemv.fitted_config), 16-bit rows of K = 4112 one at 1-8 rows
+    (inter 88: 22 blocks of 4 gate/up pairs)."""
     from kernels_cuda.activation import silu_mul
     from kernels_cuda.gemv import gemv, gemv_silu
-    K = 272  # inter 88: 22 blocks of 4 gate/up pairs (one tile) or 11 of 8 (two)
     x = to_dev(rng.standard_normal((B, K)).astype(np.float32), dtype)
     w = maybe_fp8(to_dev(rng.standard_normal((2 * inter, K)).astype(np.float32) * 0.2, dtype), wfp8)
     fused = gemv_silu(x, w, cp.zeros((B, inter), x.dtype))
@@ -776,13 +786,15 @@ def test_gemv_silu_is_gemv_then_silu_mul(dtype, B, wfp8, inter):
 @pytest.mark.parametrize("kv8", [False, True], ids=["kv16", "kv8"])
 @pytest.mark.parametrize("wfp8", [False, True], ids=["w16", "w8"])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
-def test_gemv_rope_is_gemv_then_rope_kv_write(dtype, head_dim, B, kv8, wfp8, with_bias):
+@pytest.mark.parametrize("K", [144, 4112])
+def test_gemv_rope_is_gemv_then_rope_kv_write(dtype, head_dim, B, kv8, wfp8, with_bias, K):
     """The QKV product with RoPE and the K/V write in its epilogue (its positions, tables,
     pointers and biases loaded before the wait) gives the bits of the two kernels: q, and the
-    cache (other slots and layers untouched)."""
+    cache (other slots and layers untouched). 16-bit rows of K = 4112 take one tile a block at one
+    row, those of K = 144 two (gemv.fitted_config)."""
     from kernels_cuda.gemv import gemv, gemv_rope
     from kernels_cuda.rope import rope_kv_write
-    H, KVH, K, layers, layer = 6, 2, 144, 2, 1
+    H, KVH, layers, layer = 6, 2, 2, 1
     width = (H + 2 * KVH) * head_dim
     x = to_dev(rng.standard_normal((B, K)).astype(np.float32), dtype)
     w = maybe_fp8(to_dev(rng.standard_normal((width, K)).astype(np.float32) * 0.2, dtype), wfp8)
