@@ -207,15 +207,16 @@ def sweep_label(config: dict) -> str:
 
 
 def gemv_sweep(shape: dict, batches: list[int], fp8: bool = False) -> list[str]:
-    """Each SWEEP config of the skinny GEMM against cuBLAS on a shape's matrices: checked
-    against cuBLAS, then timed; the total is one decode step's matrix products. fp8: the
-    skinny GEMM reads the matrices quantized to e4m3 (the LM head stays 16-bit)."""
+    """Each SWEEP config of the skinny GEMM, and the one gemv.py chooses for each matrix and row
+    count ("chosen"), against cuBLAS on a shape's matrices: checked against cuBLAS, then timed;
+    the total is one decode step's matrix products. fp8: the skinny GEMM reads the matrices
+    quantized to e4m3 (the LM head stays 16-bit)."""
     from kernels_cuda.gemm import gemm
     from kernels_cuda.gemv import gemv
     from kernels_cuda.quant import quantize_matrix
     mats = step_matrices(shape)
-    candidates = [("cublas", gemm)] + [(sweep_label(c), lambda x_, w_, o_, c=c: gemv(x_, w_, o_, config=c))
-                                        for c in SWEEP]
+    candidates = ([("cublas", gemm), ("chosen", lambda x_, w_, o_: gemv(x_, w_, o_))]  # gemv.py's own choice
+                  + [(sweep_label(c), lambda x_, w_, o_, c=c: gemv(x_, w_, o_, config=c)) for c in SWEEP])
     rows = []
     for b in batches:
         totals: dict[str, float] = {}
