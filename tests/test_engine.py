@@ -377,6 +377,35 @@ def test_an_overlapping_engine_wakes_the_event_loop_before_waiting_for_the_devic
     assert flushes == [(1, 1), (3, 2), (4, 3), (4, 4)]
 
 
+def test_late_ahead_waits_only_while_requests_arrive(smollm2, smollm2_path, monkeypatch):
+    """A step is launched late (after the runner's wait_near_end) only while requests come in:
+    once the last arrival is older than LATE_AHEAD_ARRIVALS_S, the engine launches each step
+    ahead at once (no one could join it), and a new request brings the wait back."""
+    monkeypatch.setattr(engine_module, "LATE_AHEAD_MIN_STEP_S", 0.0)
+    monkeypatch.setattr(engine_module, "LATE_AHEAD_ARRIVALS_S", 60.0)
+    engine = overlapping_engine(smollm2, smollm2_path, LateRunner, prompts_ahead=True, late_ahead=True)
+    runner = engine.runner
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outs = {}
+    engine.add_request([1, 2, 3], params, lambda o: outs.setdefault("a", []).append(o))
+    for _ in range(3):
+        engine.step()
+    assert runner.near_end_waits >= 2  # the arrival is fresh
+    engine._last_arrival -= 120.0  # as if it came two minutes ago
+    before = runner.near_end_waits
+    for _ in range(3):
+        engine.step()
+    assert runner.near_end_waits == before
+    engine.add_request([4, 5, 6], params, lambda o: outs.setdefault("b", []).append(o))
+    engine.step()
+    engine.step()
+    assert runner.near_end_waits > before
+    while engine.has_work():
+        engine.step()
+    assert outs["a"][-1].finished and outs["b"][-1].finished
+    assert sum(len(c.token_ids) for o in outs["b"] for c in o.outputs) == 12
+
+
 @pytest.mark.parametrize("runner,prompts_ahead", [(OverlappingRunner, False), (ChainingRunner, False),
                                                    (ChainingRunner, True), (LateRunner, True)],
                          ids=["overlap", "chained", "prompts", "late"])
@@ -393,6 +422,7 @@ def test_overlapping_runs_give_the_outputs_of_plain_runs(smollm2, smollm2_path, 
     late = runner is LateRunner
     if late:
         monkeypatch.setattr(engine_module, "LATE_AHEAD_MIN_STEP_S", 0.0)
+        monkeypatch.setattr(engine_module, "LATE_AHEAD_ARRIVALS_S", float("inf"))
     prompts = PROMPTS[:4] + ["The capital of France is"]
     params = [SamplingParams(max_tokens=12 + 3 * i, temperature=0, logprobs=2 if i == 1 else None,
                              repetition_penalty=1.3 if i == 2 else 1.0, min_tokens=10 if i == 3 else 0)
