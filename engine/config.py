@@ -222,9 +222,10 @@ class SchedulerConfig:
     # launch a step ahead only once the step in flight nears its end (the runner's
     # wait_near_end), so that requests arriving meanwhile join it; only after steps of
     # LATE_AHEAD_MIN_STEP_S or more whose last quarter covers the next launch, and while requests
-    # arrive (engine.py). H200, 8B fp8, 256 streams over HTTP: the mode of TTFT one step (~40 ms)
-    # lower at the same tok/s; on by default since the forty-third session
-    late_ahead: bool = True
+    # arrive (engine.py). H200, 8B fp8, 256 streams over HTTP (forty-third session, 9 loads each,
+    # alternated): the TTFT mode one step (~40 ms) lower, but more requests in the tail; TTFT p50
+    # 181 ms on average either way, the same tok/s. Off by default
+    late_ahead: bool = False
     # prompt tokens a step may take beyond max_num_batched_tokens while it catches up with a
     # backlog: a short queue (at most max_num_seqs / 4 requests) whose first request two steps
     # have passed over (Scheduler._step_budget). Under a fixed concurrency, successors arrive as
