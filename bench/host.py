@@ -272,6 +272,9 @@ def report(name: str, s: dict) -> None:
         engine = f"; engine process CPU {s['engine_cpu_s']:.2f}s" if "engine_cpu_s" in s else ""
         print(f"  server process CPU {s['server_cpu_s']:.2f}s for {s['tokens']} tokens: "
               f"{s['server_cpu_us_per_token']:.1f} us a token{engine}")
+    if "server_loop_lag_ms" in s:  # how late the server's event loop ran its 10-ms timer
+        lag = s["server_loop_lag_ms"]
+        print(f"  server event loop lag p50 ~{lag['p50']:.2f} ms, p99 ~{lag['p99']:.2f} ms")
     if s["errors"]:
         print("  errors:", s["errors"])
 

@@ -195,7 +195,9 @@ def _run_part(args, part: int):
 
 # the server's latency histograms (server/metrics.py) read before and after an HTTP load
 SERVER_HISTOGRAMS = {"server_ttft_ms": "cuserve_time_to_first_token_seconds",
-                     "server_queue_ms": "cuserve_request_queue_time_seconds"}
+                     "server_queue_ms": "cuserve_request_queue_time_seconds",
+                     # how late the server's event loop ran a 10-ms timer (samples, not requests)
+                     "server_loop_lag_ms": "cuserve_event_loop_lag_seconds"}
 
 
 def parse_histograms(text: str, names) -> dict[str, tuple[list[float], list[float], float, float]]:
@@ -219,23 +221,26 @@ def parse_histograms(text: str, names) -> dict[str, tuple[list[float], list[floa
 
 
 def histogram_delta(before, after) -> dict[str, float] | None:
-    """Mean and p50 (ms) of what a histogram gathered between two readings (parse_histograms's
-    tuples): the mean exact, the p50 interpolated within its bucket. None if nothing came."""
+    """Mean, p50 and p99 (ms) of what a histogram gathered between two readings
+    (parse_histograms's tuples): the mean exact, the quantiles interpolated within their
+    bucket. None if nothing came."""
     bounds, counts_after, sum_after, n_after = after
     _, counts_before, sum_before, n_before = before
     n = n_after - n_before
     if n <= 0:
         return None
     counts = [a - b for a, b in zip(counts_after, counts_before)]
-    half, lower, below = n / 2, 0.0, 0.0
-    p50 = float("nan")
-    for bound, cumulative in zip(bounds, counts):
-        if cumulative >= half:
-            inside = cumulative - below
-            p50 = lower if bound == float("inf") or inside <= 0 else lower + (bound - lower) * (half - below) / inside
-            break
-        lower, below = bound, cumulative
-    return {"mean": 1e3 * (sum_after - sum_before) / n, "p50": 1e3 * p50, "requests": n}
+
+    def quantile(q: float) -> float:
+        rank, lower, below = q * n, 0.0, 0.0
+        for bound, cumulative in zip(bounds, counts):
+            if cumulative >= rank:
+                inside = cumulative - below
+                return lower if bound == float("inf") or inside <= 0 else lower + (bound - lower) * (rank - below) / inside
+            lower, below = bound, cumulative
+        return float("nan")
+    return {"mean": 1e3 * (sum_after - sum_before) / n, "p50": 1e3 * quantile(0.5), "p99": 1e3 * quantile(0.99),
+            "requests": n}
 
 
 def server_histograms(args) -> dict:
@@ -253,7 +258,8 @@ def run(args) -> dict:
     client can fall behind the server's events at hundreds of streams). With a cuserve
     server, also its own TTFT and queue time over the load (arrival at the engine to the
     first token / the first step: server_ttft_ms, server_queue_ms; the client processes'
-    one warm-up request each included), so the HTTP path's share of the client's TTFT shows."""
+    one warm-up request each included), so the HTTP path's share of the client's TTFT shows,
+    and how late its event loop ran (server_loop_lag_ms: the HTTP side falling behind)."""
     before = server_histograms(args)
     args.start_at = None
     with GpuClocks(gpu_clocks_wanted(args)) as clocks:
@@ -482,7 +488,8 @@ def report(args, summary: dict) -> None:
     for key in SERVER_HISTOGRAMS:
         if key in summary:  # the server's own, from /metrics
             s = summary[key]
-            print(f"  {key[:-3]:12s} mean {s['mean']:9.2f}  p50 ~{s['p50']:8.2f} ms (server's histogram)")
+            print(f"  {key[:-3]:15s} mean {s['mean']:9.2f}  p50 ~{s['p50']:8.2f}  p99 ~{s['p99']:8.2f} ms "
+                  "(server's histogram)")
     if describe(summary.get("gpu")):
         print("  " + describe(summary["gpu"]))
     if summary["errors"]:

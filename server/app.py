@@ -215,7 +215,9 @@ def create_app(settings: ServeSettings, engine: EngineAPI | None = None,
                     if on_fatal is not None:
                         on_fatal(state.load_error)
             threading.Thread(target=load, name="cuserve-load", daemon=True).start()
+        watch = asyncio.create_task(state.metrics.watch_loop())  # cuserve_event_loop_lag_seconds
         yield
+        watch.cancel()
         state.draining = True
         deadline = time.monotonic() + settings.shutdown_timeout
         while state.in_flight and time.monotonic() < deadline:

@@ -10,7 +10,8 @@ from server.metrics import Metrics
 
 
 def reading(metrics: Metrics) -> dict:
-    return parse_histograms("\n".join(metrics.ttft.render() + metrics.queue.render()), SERVER_HISTOGRAMS.values())
+    return parse_histograms("\n".join(metrics.ttft.render() + metrics.queue.render() + metrics.loop_lag.render()),
+                            SERVER_HISTOGRAMS.values())
 
 
 def test_the_load_s_share_of_the_server_s_histograms():
@@ -19,7 +20,7 @@ def test_the_load_s_share_of_the_server_s_histograms():
     for v in (0.05, 0.07):  # before the load: not counted
         metrics.ttft.observe(v)
     before = reading(metrics)
-    assert set(before) == {ttft, queue}
+    assert set(before) == {ttft, queue, SERVER_HISTOGRAMS["server_loop_lag_ms"]}
     values = (0.11, 0.12, 0.13, 0.14, 0.18, 0.25, 12.0)  # the last past every finite bound but 20 s
     for v in values:
         metrics.ttft.observe(v)
@@ -29,8 +30,34 @@ def test_the_load_s_share_of_the_server_s_histograms():
     assert math.isclose(got["mean"], 1e3 * sum(values) / len(values))
     # the 4th of 7 lies in (0.1, 0.15], which holds 4 of them: 0.1 + 0.05 * 3.5 / 4
     assert math.isclose(got["p50"], 1e3 * (0.1 + 0.05 * 3.5 / 4))
+    # the p99's rank, 6.93, lies in (10, 20], which holds the 7th alone: 10 + 10 * 0.93
+    assert math.isclose(got["p99"], 1e3 * (10.0 + 10.0 * 0.93))
     assert histogram_delta(before[queue], after[queue]) is None  # nothing queued meanwhile
 
 
 def test_a_server_without_the_histograms_gives_none():
     assert parse_histograms("# a server of another kind\nrequests_total 3\n", SERVER_HISTOGRAMS.values()) == {}
+
+
+def test_the_server_s_loop_lag_counts_a_blocked_loop():
+    """Metrics.watch_loop: a callback that holds the loop for 60 ms makes the 10-ms timer fire
+    ~50 ms late, and the histogram shows it."""
+    import asyncio
+    import time
+
+    metrics = Metrics()
+
+    async def main():
+        watch = asyncio.create_task(metrics.watch_loop(0.01))
+        await asyncio.sleep(0.05)  # idle: a few on-time samples
+        idle = metrics.loop_lag.count
+        time.sleep(0.06)  # the loop held, as by a burst of work
+        await asyncio.sleep(0.03)
+        watch.cancel()
+        return idle
+    idle = asyncio.run(main())
+    lag = metrics.loop_lag
+    assert idle >= 2 and lag.count > idle
+    late = sum(n for bound, n in zip(lag.buckets, lag.counts) if bound > 0.02) + lag.counts[-1]
+    assert late >= 1  # the blocked interval, ~0.05 s late
+    assert lag.sum >= 0.03

@@ -316,6 +316,7 @@ def test_metrics_exposition(client):
         assert name in text, name
     assert metric(client, "cuserve_generation_tokens_total") >= 3
     assert metric(client, "cuserve_time_to_first_token_seconds_count") >= 1
+    assert metric(client, "cuserve_event_loop_lag_seconds_count") >= 1  # the server's loop, every 10 ms
     if DEVICE == "cuda":  # the GPU runner times its decode steps against the measured bandwidth
         assert 0.0 < metric(client, "cuserve_decode_roofline_fraction") <= 1.5
 
