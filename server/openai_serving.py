@@ -35,7 +35,12 @@ _LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": 
 
 
 def _json(obj: Any) -> str:
-    return _ENCODER.encode(obj).translate(_LINE_BREAKS)
+    text = _ENCODER.encode(obj)
+    # translate() walks every character (~3.4 us for a 95-character event); three searches cost
+    # ~0.2 us, and such characters are rare
+    if "\x85" in text or "\u2028" in text or "\u2029" in text:
+        return text.translate(_LINE_BREAKS)
+    return text
 
 
 class _Events:
