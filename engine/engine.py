@@ -230,35 +230,97 @@ def deliver(sink: Sink, out: RequestOutput, flush: set[BatchSink]) -> bool:
         return False
 
 
-class LoopSink(BatchSink):
-    """Delivers outputs into asyncio queues of one event loop, one wake-up per engine step.
+class OutputStream:
+    """The outputs of one or more requests (a response's prompts) for one consumer in asyncio
+    code. `add` queues a request in the engine; the engine's LoopSink appends each step's
+    outputs on the loop's thread, and `take` returns all that waits, in order, waking the
+    consumer once a step however many outputs the step brought it (an asyncio.Queue wakes its
+    getter for each item). `close` aborts what has not finished and ends a waiting `take`.
+    Made, used and closed on the loop's thread."""
 
-    The engine calls it (and `flush`) on its thread; `register` and the queues
-    belong to the loop's thread.
-    """
+    __slots__ = ("engine", "sink", "loop", "pending", "unfinished", "closed", "_waiter")
+
+    def __init__(self, engine: EngineAPI) -> None:
+        self.engine = engine
+        self.loop = asyncio.get_running_loop()
+        sink = engine._loop_sinks.get(self.loop)
+        if sink is None:
+            sink = engine._loop_sinks.setdefault(self.loop, LoopSink(self.loop))
+        self.sink = sink
+        self.pending: list[RequestOutput] = []
+        self.unfinished: set[str] = set()  # ids of requests added whose last output has not come
+        self.closed = False
+        self._waiter: asyncio.Future | None = None
+
+    def add(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        """Queue a request (EngineAPI.add_request's errors, raised at once); returns its id."""
+        request_id = request_id or uuid.uuid4().hex
+        self.sink.streams[request_id] = self
+        try:
+            self.engine.add_request(prompt_token_ids, params, self.sink, request_id)
+        except BaseException:
+            self.sink.streams.pop(request_id, None)
+            raise
+        self.unfinished.add(request_id)
+        return request_id
+
+    @property
+    def done(self) -> bool:
+        """Nothing more to take: every request finished and taken, or the stream closed."""
+        return self.closed or not (self.unfinished or self.pending)
+
+    def push(self, out: RequestOutput) -> None:  # the LoopSink, on the loop's thread
+        self.pending.append(out)
+        if out.finished:
+            self.unfinished.discard(out.request_id)
+            self.sink.streams.pop(out.request_id, None)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def take(self) -> list[RequestOutput]:
+        """Everything waiting, oldest first: at least one output, or [] once closed."""
+        while not self.pending and not self.closed:
+            self._waiter = self.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        outs, self.pending = self.pending, []
+        return outs
+
+    def close(self) -> None:
+        """Abort every request not finished (its consumer is gone); a waiting take() returns []."""
+        self.closed = True
+        for request_id in self.unfinished:
+            self.sink.streams.pop(request_id, None)
+            self.engine.abort(request_id)
+        self.unfinished.clear()
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+class LoopSink(BatchSink):
+    """Delivers outputs to the OutputStreams of one event loop, one wake-up of the loop per
+    engine step. The engine calls it (and `flush`) on its thread; `streams` (request id ->
+    its stream) belongs to the loop's thread."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         super().__init__()
         self.loop = loop
-        self.queues: dict[str, asyncio.Queue[RequestOutput]] = {}
-
-    def register(self, request_id: str) -> asyncio.Queue[RequestOutput]:
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self.queues[request_id] = queue
-        return queue
-
-    def unregister(self, request_id: str) -> None:
-        self.queues.pop(request_id, None)
+        self.streams: dict[str, OutputStream] = {}
 
     def _dispatch(self, batch: list[RequestOutput]) -> None:
         if not self.loop.is_closed():
             self.loop.call_soon_threadsafe(self._put, batch)
 
     def _put(self, batch: list[RequestOutput]) -> None:
+        streams = self.streams
         for out in batch:
-            queue = self.queues.get(out.request_id)
-            if queue is not None:
-                queue.put_nowait(out)
+            stream = streams.get(out.request_id)
+            if stream is not None:
+                stream.push(out)
 
 
 class EngineAPI:
@@ -314,35 +376,16 @@ class EngineAPI:
 
         Closing the iterator early (a client went away) aborts the request.
         """
-        loop = asyncio.get_running_loop()
-        sink = self._loop_sinks.get(loop)
-        if sink is None:
-            sink = self._loop_sinks.setdefault(loop, LoopSink(loop))
-        request_id = request_id or uuid.uuid4().hex
-        queue = sink.register(request_id)
+        stream = OutputStream(self)
+        stream.add(prompt_token_ids, params, request_id)
         try:
-            self.add_request(prompt_token_ids, params, sink, request_id)
-        except BaseException:
-            sink.unregister(request_id)
-            raise
-        finished = False
-        try:
-            while not finished:
-                out = await queue.get()
+            while not stream.done:
+                waiting = await stream.take()
                 # a consumer that fell behind gets what is waiting as one delta: under load
                 # (hundreds of streams) that is fewer events to serialize, not more latency
-                if not queue.empty():
-                    waiting = [out]
-                    while not waiting[-1].finished and waiting[-1].error is None and not queue.empty():
-                        waiting.append(queue.get_nowait())
-                    if len(waiting) > 1:
-                        out = RequestOutput.merged(waiting)
-                finished = out.finished
-                yield out
+                yield waiting[0] if len(waiting) == 1 else RequestOutput.merged(waiting)
         finally:
-            sink.unregister(request_id)
-            if not finished:
-                self.abort(request_id)
+            stream.close()  # closed early (a client went away): the request is aborted
 
 
 class Engine(EngineAPI):

@@ -479,3 +479,37 @@ def test_an_overlapping_step_that_fails_on_the_device_fails_only_its_requests(sm
         llm.engine.step()
     check_only_the_poisoned_request_fails(engine, poisoned, want)
     assert armed[0]
+
+
+def test_an_output_stream_takes_what_steps_brought_at_once_and_close_aborts(smollm2, smollm2_path):
+    """Several requests' outputs in one OutputStream (a response's prompts): take() returns all
+    that the steps so far brought, in order, in one call; a request's last output retires it;
+    close() aborts what has not finished, and take() then returns [] instead of waiting."""
+    from engine.engine import OutputStream
+    engine = overlapping_engine(smollm2, smollm2_path)
+    aborted = []
+    real_abort = engine.abort
+    engine.abort = lambda request_id: (aborted.append(request_id), real_abort(request_id))
+
+    async def main():
+        stream = OutputStream(engine)
+        short = stream.add([1, 2, 3], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+        long = stream.add([4, 5, 6], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
+        for _ in range(5):
+            engine.step()
+        await asyncio.sleep(0)  # the loop runs the LoopSink's hand-over
+        batch = await stream.take()
+        by_id = {}
+        for out in batch:
+            by_id.setdefault(out.request_id, []).append(out)
+        assert [sum(len(c.token_ids) for c in o.outputs) for o in by_id[short]] == [1, 1]
+        assert by_id[short][-1].finished and not any(o.finished for o in by_id[long])
+        assert len(by_id[long]) >= 3 and stream.unfinished == {long} and not stream.done
+        stream.close()
+        assert aborted == [long] and stream.done
+        assert await asyncio.wait_for(stream.take(), 1.0) == []
+        for _ in range(3):
+            engine.step()
+        assert not engine.has_work()
+
+    asyncio.run(main())

@@ -102,6 +102,28 @@ def test_stream_events_stay_one_line_for_unicode_line_breaks():
     assert "\u00e9" in event  # other text stays as it is (no ASCII escapes)
 
 
+@pytest.mark.parametrize("text, logprobs, finish, stop", [
+    (" tok", None, None, None),
+    ('say "hi"\\ \n\t\x01 \u00e9 \u2028\x85\u2029', None, "stop", "\n\n"),
+    ("", {"tokens": [" a"], "token_logprobs": [-0.5], "top_logprobs": [{" a": -0.5}], "text_offset": [0]},
+     "length", None),
+    ("x", None, "stop", 128009),
+])
+def test_a_choice_event_is_the_json_of_its_fields(text, logprobs, finish, stop):
+    """_Events.choice, which builds the event of one choice from its parts (the streaming hot
+    path), writes the same text as serializing the whole event, for completions and chat."""
+    from server.openai_serving import _Events, _value
+    event = _Events(id="cmpl-1", object="text_completion", created=1, model="m")
+    fields = {"logprobs": logprobs, "finish_reason": finish, "stop_reason": stop}
+    assert event.choice(3, "text", _value(text), logprobs, finish, stop) == event(
+        choices=[{"index": 3, "text": text, **fields}])
+    delta = {"content": text}
+    assert event.choice(0, "delta", f'{{"content":{_value(text)}}}', logprobs, finish, stop) == event(
+        choices=[{"index": 0, "delta": delta, **fields}])
+    line = event.choice(3, "text", _value(text), logprobs, finish, stop)[:-2]
+    assert len(line.splitlines()) == 1 and json.loads(line[6:])["choices"][0]["text"] == text
+
+
 def test_on_ready_runs_once_the_model_has_loaded(smollm2_path):
     """create_app's on_ready (the CLI's quiet_collector) runs on the loading thread after the
     engine is up, not before."""
