@@ -141,6 +141,20 @@ class RequestOutput:
         return RequestOutput(last.request_id, last.prompt_token_ids, outputs, last.finished, prompt_logprobs,
                              last.num_generated_tokens, last.timings, last.error, last.error_kind)
 
+    @staticmethod
+    def coalesced(batch: list[RequestOutput]) -> list[RequestOutput]:
+        """Outputs that waited together (of one or several requests) with each request's joined
+        into one delta, in the order the requests first appear: a consumer that fell behind
+        (hundreds of streams) serializes fewer, larger events, not later ones."""
+        if len(batch) < 2:
+            return batch
+        groups: dict[str, list[RequestOutput]] = {}
+        for out in batch:
+            groups.setdefault(out.request_id, []).append(out)
+        if len(groups) == len(batch):
+            return batch
+        return [g[0] if len(g) == 1 else RequestOutput.merged(g) for g in groups.values()]
+
 
 Sink = Callable[[RequestOutput], None]
 
@@ -380,10 +394,8 @@ class EngineAPI:
         stream.add(prompt_token_ids, params, request_id)
         try:
             while not stream.done:
-                waiting = await stream.take()
-                # a consumer that fell behind gets what is waiting as one delta: under load
-                # (hundreds of streams) that is fewer events to serialize, not more latency
-                yield waiting[0] if len(waiting) == 1 else RequestOutput.merged(waiting)
+                for out in RequestOutput.coalesced(await stream.take()):  # one: a single request's
+                    yield out
         finally:
             stream.close()  # closed early (a client went away): the request is aborted
 

@@ -271,7 +271,7 @@ class OpenAIServing:
                 if generation is not None:
                     stream, by_id, batch = generation
                     while True:
-                        for out in _coalesced(batch):
+                        for out in RequestOutput.coalesced(batch):
                             self.raise_for_error(out)
                             parts += render(by_id[out.request_id], out)
                         if parts:
@@ -515,19 +515,6 @@ def _prompt_list(prompt) -> list[str | list[int]]:
 def _prompt_lp_list(run: PromptRun) -> list[TokenLogprobs | None]:
     """Per prompt token: None for the first (nothing predicts it), then the engine's."""
     return [None] + list(run.prompt_logprobs or [])[: len(run.prompt_ids) - 1]
-
-
-def _coalesced(batch: list[RequestOutput]) -> list[RequestOutput]:
-    """A stream's waiting outputs with each request's joined into one delta (a consumer that fell
-    behind writes fewer, larger events)."""
-    if len(batch) < 2:
-        return batch
-    groups: dict[str, list[RequestOutput]] = {}
-    for out in batch:
-        groups.setdefault(out.request_id, []).append(out)
-    if len(groups) == len(batch):
-        return batch
-    return [g[0] if len(g) == 1 else RequestOutput.merged(g) for g in groups.values()]
 
 
 def _usage(runs: list[PromptRun]) -> dict[str, int]:

@@ -513,3 +513,21 @@ def test_an_output_stream_takes_what_steps_brought_at_once_and_close_aborts(smol
         assert not engine.has_work()
 
     asyncio.run(main())
+
+
+def test_coalesced_joins_each_request_s_waiting_outputs():
+    """Outputs of two requests that waited together: each request's become one delta (text and
+    ids joined, the last one's finish), in the order the requests first appear; outputs of
+    distinct requests pass as they are."""
+    from engine.engine import CompletionOutput, RequestOutput
+
+    def out(rid, text, tid, finished=False):
+        return RequestOutput(rid, [1], [CompletionOutput(0, text, [tid], None, "length" if finished else None)],
+                             finished)
+    a1, b1, a2, b2 = out("a", "x", 5), out("b", "p", 7), out("a", "y", 6, True), out("b", "q", 8)
+    got = RequestOutput.coalesced([a1, b1, a2, b2])
+    assert [o.request_id for o in got] == ["a", "b"]
+    assert got[0].outputs[0].text == "xy" and got[0].outputs[0].token_ids == [5, 6] and got[0].finished
+    assert got[0].outputs[0].finish_reason == "length"
+    assert got[1].outputs[0].text == "pq" and not got[1].finished
+    assert RequestOutput.coalesced([a1, b1]) == [a1, b1]
