@@ -398,15 +398,24 @@ __device__ __forceinline__ unsigned short fp8x2_from_floats(float lo, float hi) 
 __device__ __forceinline__ unsigned char fp8_from_float(float x) {
     return (unsigned char)(fp8x2_from_floats(x, 0.0f) & 0xff);
 }
-// two e4m3 bytes (lower byte first) -> two 16-bit values in one word, exactly
-__device__ __forceinline__ unsigned fp8x2_to_scalar2(unsigned short v) {
+// two e4m3 bytes (lower byte first) -> two float16 values in one word, exactly
+__device__ __forceinline__ unsigned fp8x2_to_f16x2(unsigned short v) {
     unsigned h;
     asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(v));
+    return h;
+}
+// the same as two floats
+__device__ __forceinline__ float2 fp8x2_to_float2(unsigned short v) {
+    const unsigned h = fp8x2_to_f16x2(v);
+    return __half22float2(*reinterpret_cast<const __half2 *>(&h));
+}
+// the same in the model's 16-bit type
+__device__ __forceinline__ unsigned fp8x2_to_scalar2(unsigned short v) {
 #if USE_BF16
-    const float2 f = __half22float2(*reinterpret_cast<__half2 *>(&h));
+    const float2 f = fp8x2_to_float2(v);
     return pack2(f.x, f.y);
 #else
-    return h;
+    return fp8x2_to_f16x2(v);
 #endif
 }
 // four e4m3 bytes -> lo: bytes 0, 1 and hi: bytes 2, 3 as two 16-bit values each; the

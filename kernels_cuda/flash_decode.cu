@@ -28,7 +28,8 @@
 // lane reads whole 32-bit words), -DSWAP (KV_FP8 and GROUP <= 8: the keys are the MMA's 16
 // rows and the group's heads its 8 columns, S^T = K q^T and O^T += V^T P^T, q in registers;
 // a 16-row query tile of <= 8 heads wasted half its MMAs, conversions aside, and its softmax.
-// The 16-bit tiles, bound by memory already, gained nothing from it).
+// The 16-bit tiles, bound by memory already, gained nothing from it), -DQK_WGMMA (SWAP's q K^T on
+// Hopper's wgmma, below).
 // Dynamic shared memory: flash_decode.smem_bytes(). KV pool layout: (layers, slots,
 // kv_heads, HEAD_DIM); row b's keys start at k_ptrs[b] + layer_offset.
 #include "common.cuh"
@@ -54,6 +55,21 @@
 #endif
 #ifndef SWAP  // fp8 K/V, <= 8 heads a group: keys as the MMA's rows, heads as its 8 columns
 #define SWAP 0
+#endif
+// -DQK_WGMMA (SWAP, HEAD_DIM 128, at most 4 heads a group; built for sm_90a): q K^T of a 64-key
+// tile as one warpgroup MMA (wgmma m64n8k32, e4m3 x e4m3) from shared memory, K's bytes as they
+// are stored (no converts; K staged in 128-byte-swizzled rows) and q^T as e4m3 codes written
+// once a block: each head's q scaled by a power of two into [128, 256), its codes in column h
+// (hi) and the codes of 16 (q - hi) in column 4 + h (lo), so hi + lo / 16 keeps ~8 significant
+// bits, as bfloat16 does. The accumulators of warp w are keys 16w..16w+15 in the layout of the
+// mma.sync form; lanes q and q ^ 2 hold the hi and lo scores of the same two heads and add them,
+// each scaled back (qmul), after which lanes q >= 2 play the part of the padding heads 4..7. P V
+// stays on mma.sync (mma.sync with e4m3 operands compiles to converts and float16 MMAs on sm_90).
+#ifndef QK_WGMMA
+#define QK_WGMMA 0
+#endif
+#if QK_WGMMA
+#include "wgmma.cuh"
 #endif
 #define WARPS 4
 // -DBUFS (2 or 4): K/V tile buffers in shared memory; a tile is asked for once the buffer it
@@ -84,6 +100,7 @@ constexpr int VEC = HEAD_DIM / 8;  // 16-byte groups per row (of the query tile,
 static_assert(GROUP <= 16, "a query tile holds 16 heads");
 static_assert(CHUNK % KEYS == 0, "CHUNK must be a multiple of KEYS");
 static_assert(!SWAP || (KV_FP8 && GROUP <= 8), "SWAP: fp8 K/V and at most 8 heads a group");
+static_assert(!QK_WGMMA || (SWAP && GROUP <= 4 && HEAD_DIM == 128), "QK_WGMMA: SWAP, head dim 128, <= 4 heads");
 
 #if KV_FP8
 #define SROW (HEAD_DIM + 16)  // bytes from one staged K/V row to the next (16-byte aligned, spreads banks)
@@ -131,11 +148,9 @@ __device__ __forceinline__ unsigned q_to_f16x2(unsigned w) {  // two q values of
     return w;
 #endif
 }
-__device__ __forceinline__ void swapped_tile(const kv_t *cK, const kv_t *cV, const unsigned (&qf)[KSTEPS][2],
-                                             float (&o)[HEAD_DIM / 16][4], float m_run[2], float l_run[2],
-                                             int live, float scale2) {
+// s (zero on entry): the warp's scores, (key g, heads 2q, 2q + 1), (key g + 8, the same heads)
+__device__ __forceinline__ void swapped_scores(const kv_t *cK, const unsigned (&qf)[KSTEPS][2], float (&s)[4]) {
     const int lane = threadIdx.x & 31, g = lane >> 2, qd = lane & 3;
-    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // (key g, heads 2q, 2q + 1), (key g + 8, the same heads)
 #pragma unroll
     for (int kk = 0; kk < KSTEPS; kk++) {  // K word of dims 4q..4q+3 -> k slots 2q, 2q+1 and 2q+8, 2q+9
         unsigned a0, a1, a2, a3;
@@ -143,6 +158,11 @@ __device__ __forceinline__ void swapped_tile(const kv_t *cK, const kv_t *cV, con
         fp8x4_to_f16x2x2(*reinterpret_cast<const unsigned *>(cK + (g + 8) * SROW + kk * 16 + 4 * qd), a1, a3);
         mma_16816<true>(s, a0, a1, a2, a3, qf[kk][0], qf[kk][1]);
     }
+}
+// the scores s of the warp's keys (live of its 16 in the split) into its running softmax, and P V
+__device__ __forceinline__ void swapped_tile(const kv_t *cV, float (&s)[4], float (&o)[HEAD_DIM / 16][4],
+                                             float m_run[2], float l_run[2], int live, float scale2) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, qd = lane & 3;
     if (live < 16) {
         if (g >= live) s[0] = s[1] = NEG_INF;
         if (g + 8 >= live) s[2] = s[3] = NEG_INF;
@@ -191,11 +211,50 @@ __device__ __forceinline__ void swapped_tile(const kv_t *cK, const kv_t *cV, con
         }
     }
 }
+
+#if QK_WGMMA
+// s (zero on entry) += the 64-key K tile kt (128-byte-swizzled rows) times q^T qt (8 x 128
+// codes, swizzled alike), by the whole warpgroup; warp w's accumulators are keys 16w..16w+15.
+// Each 32-dim step has accumulators of its own, added in float32 after: fp8 wgmma keeps fewer
+// bits than float32 as it adds into its accumulators, and chained over the 128 dims that lost up
+// to 4x the other forms' error where scores are large (H200, rows of 576-640 keys of e4m3 codes
+// up to 448: 1.6e-2 of the largest output against 3.6e-3; apart, 5.3e-3; K of N(0, 4), q of
+// N(0, 1): 3.65e-3, the other forms' own; chained, 4.4e-3), at the same speed.
+__device__ __forceinline__ void qk_wgmma(float (&s)[4], const unsigned char *kt, const unsigned char *qt) {
+    const unsigned long long da0 = smem_desc(kt), db0 = smem_desc(qt);
+    float part[HEAD_DIM / 32][4];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 32; kk++) {
+        const unsigned long long da = da0 + 2 * kk, db = db0 + 2 * kk;  // 32 bytes of K further on
+#if WGMMA_OK  // scale-d 0: the step's sums alone
+        asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, 0, 0;\n\twgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 "
+                     "{%0, %1, %2, %3}, %4, %5, p, 1, 1;\n\t}"
+                     : "=f"(part[kk][0]), "=f"(part[kk][1]), "=f"(part[kk][2]), "=f"(part[kk][3])
+                     : "l"(da), "l"(db));
+#else
+        part[kk][0] = part[kk][1] = part[kk][2] = part[kk][3] = 0.0f;
+#endif
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 32; kk++) {
+        fence_acc(part[kk]);
+#pragma unroll
+        for (int i = 0; i < 4; i++) s[i] += part[kk][i];
+    }
+}
+#endif
 #endif
 
 // The dynamic shared memory of a block (flash_decode.smem_bytes): the 16-row query tile (none
-// in the SWAP form) and BUFS buffers of K/V tiles.
-#if KV_FP8
+// in the SWAP form) and BUFS buffers of K/V tiles. QK_WGMMA: up to 1,024 bytes to align, q^T
+// (8 x 128 codes), BUFS K tiles of 128-byte rows, BUFS V tiles as staged, q's 4 shifts.
+#if QK_WGMMA
+constexpr int KT_BYTES = KEYS * HEAD_DIM, VT_BYTES = KEYS * SROW;
+constexpr int SMEM_BYTES = 1024 + 8 * HEAD_DIM + BUFS * (KT_BYTES + VT_BYTES) + 16;
+#elif KV_FP8
 constexpr int SMEM_BYTES = (SWAP ? 0 : 2 * 16 * LDS) + 2 * BUFS * KEYS * SROW;
 #else
 constexpr int SMEM_BYTES = 2 * (16 + 2 * BUFS * KEYS) * LDS;
@@ -235,7 +294,13 @@ __device__ __forceinline__ void decode_split(
 
     extern __shared__ __align__(128) unsigned char smem[];
     scalar_t *sQ = reinterpret_cast<scalar_t *>(smem);  // 16 x LDS (SWAP: none, q goes to registers)
-#if KV_FP8  // byte tiles, BUFS buffers; the MMA fragments are converted from them directly
+#if QK_WGMMA
+    unsigned char *sQT = smem + ((1024 - (smem_addr(smem) & 1023)) & 1023);  // q^T codes, 1,024-byte aligned
+    unsigned char *sKT = sQT + 8 * HEAD_DIM, *sVT = sKT + BUFS * KT_BYTES;
+    int *q_shift = reinterpret_cast<int *>(sVT + BUFS * VT_BYTES);  // [4]: each head's q scaled by 2^q_shift
+    float *scratch_a = reinterpret_cast<float *>(sKT), *scratch_b = reinterpret_cast<float *>(sVT);
+    (void)sQ;
+#elif KV_FP8  // byte tiles, BUFS buffers; the MMA fragments are converted from them directly
     unsigned char *st = reinterpret_cast<unsigned char *>(sQ + (SWAP ? 0 : 16 * LDS));  // [BUFS][K, V][KEYS][SROW]
     float *scratch_a = reinterpret_cast<float *>(st), *scratch_b = reinterpret_cast<float *>(st + 2 * KEYS * SROW);
 #else
@@ -248,7 +313,11 @@ __device__ __forceinline__ void decode_split(
     const kv_t *kb = reinterpret_cast<const kv_t *>(k_ptrs[b]) + layer_offset + kvh * HEAD_DIM;
     const kv_t *vb = reinterpret_cast<const kv_t *>(v_ptrs[b]) + layer_offset + kvh * HEAD_DIM;
     const int n_tiles = (end - start + KEYS - 1) / KEYS;
-#if KV_FP8
+#if QK_WGMMA
+    auto k_tile = [&](int t) { return sKT + (t % BUFS) * KT_BYTES; };
+    auto v_tile = [&](int t) { return sVT + (t % BUFS) * VT_BYTES; };
+    constexpr int STRIDE = SROW;  // V's (K's rows are 128-byte swizzled)
+#elif KV_FP8
     auto k_tile = [&](int t) { return st + (t % BUFS) * 2 * KEYS * SROW; };
     auto v_tile = [&](int t) { return st + ((t % BUFS) * 2 + 1) * KEYS * SROW; };
     constexpr int STRIDE = SROW;
@@ -257,10 +326,27 @@ __device__ __forceinline__ void decode_split(
     auto v_tile = [&](int t) { return sV + (t % BUFS) * KEYS * LDS; };
     constexpr int STRIDE = LDS;
 #endif
+#if QK_WGMMA
+    // rows row0 .. row0 + rows - 1 of tile t (keys start + t * KEYS + row ..), but key `skip`; K's
+    // rows 128-byte swizzled for the MMA, V's as in the other forms
+    auto load_rows = [&](int t, int row0, int rows, int skip) {
+        constexpr int PIECES = HEAD_DIM / 16;
+        for (int i = threadIdx.x; i < rows * PIECES; i += THREADS) {
+            const int r = row0 + i / PIECES, c = i % PIECES, key = start + t * KEYS + r;
+            if (key == skip) continue;
+            const bool ok = key < end;
+            const long long off = (long long)(ok ? key : start) * kv_stride + c * 16;
+            cp_async16(k_tile(t) + smem_swizzle(r, c), kb + off, ok);
+            cp_async16(v_tile(t) + r * SROW + c * 16, vb + off, ok);
+        }
+    };
+    auto load_kv = [&](int t, int skip) { load_rows(t, 0, KEYS, skip); };
+#else
     auto load_kv = [&](int t, int skip) {  // tile t: keys start + t * KEYS .., but key `skip`
         load_kv_tile<KEYS, HEAD_DIM, THREADS>(k_tile(t), v_tile(t), STRIDE, kb, vb, kv_stride, start + t * KEYS, end,
                                               start, skip);
     };
+#endif
     // The first AHEAD tiles but this step's own key (kv_len - 1) before the wait: earlier steps
     // wrote them. With AHEAD = BUFS a row of up to BUFS tiles (SmolLM2 at up to 128 or 256 keys) has
     // nothing but q and its own key to load after the wait.
@@ -278,14 +364,63 @@ __device__ __forceinline__ void decode_split(
     }
 #endif
     if (own_tile < ahead) {  // the own key's row, where the tiles above left it out
+#if QK_WGMMA
+        load_rows(own_tile, own - start - own_tile * KEYS, 1, -1);
+#else
         const int at = (own - start - own_tile * KEYS) * STRIDE;
         load_kv_tile<1, HEAD_DIM, THREADS>(k_tile(own_tile) + at, v_tile(own_tile) + at, STRIDE, kb, vb, kv_stride, own,
                                            own + 1, start);
+#endif
     }
     cp_async_commit();
 
 #if SWAP  // q^T as the B operand, straight from global memory: k slots 2q, 2q+1 / 2q+8, 2q+9
           // hold dims 4q, 4q+1 / 4q+2, 4q+3 (as K's words); column g is head g (zero past the group)
+#if QK_WGMMA
+    {  // q^T's codes: thread i takes dims 8 (i % 16) .. + 7 of column i / 16 (head (i / 16) & 3, hi or lo)
+        const int n = tid >> 4, d0 = (tid & 15) * 8, hh = n & 3;
+        const uint4 w = hh < GROUP ? *reinterpret_cast<const uint4 *>(q + (row0 + hh) * HEAD_DIM + d0)
+                                   : make_uint4(0u, 0u, 0u, 0u);
+        const unsigned ws[4] = {w.x, w.y, w.z, w.w};
+        float x[8], amax = 0.0f;
+#pragma unroll
+        for (int p = 0; p < 4; p++) {
+            const float2 f = to_float2(*reinterpret_cast<const scalar2_t *>(&ws[p]));
+            x[2 * p] = f.x, x[2 * p + 1] = f.y;
+            amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+        }
+#pragma unroll
+        for (int m = 1; m < 16; m *= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));  // the head's
+        int e = 0;
+        frexpf(amax, &e);  // amax = m 2^e, m in [0.5, 1)
+        const int sh = amax > 0.0f ? min(max(8 - e, -120), 120) : 0;  // amax 2^sh in [128, 256)
+        const float up = ldexpf(1.0f, sh);
+        unsigned codes[2] = {0u, 0u};
+#pragma unroll
+        for (int p = 0; p < 4; p++) {
+            const float v0 = x[2 * p] * up, v1 = x[2 * p + 1] * up;
+            unsigned short c = fp8x2_from_floats(v0, v1);
+            if (n >= 4) {  // lo: 16 times what hi left
+                const float2 h = fp8x2_to_float2(c);
+                c = fp8x2_from_floats((v0 - h.x) * 16.0f, (v1 - h.y) * 16.0f);
+            }
+            codes[p >> 1] |= (unsigned)c << (16 * (p & 1));
+        }
+        *reinterpret_cast<uint2 *>(sQT + smem_swizzle(n, d0 >> 4) + (d0 & 15)) = make_uint2(codes[0], codes[1]);
+        if ((tid & 15) == 0 && n < 4) q_shift[n] = sh;
+    }
+    cp_async_wait<0>();  // the tiles ahead have landed
+    fence_proxy_async();  // this thread's copies and codes, before the MMAs read them
+    __syncthreads();
+    float qmul[2][2];  // lane (g, q) ends with heads 2 (q & 1) + c: [c][0] its own column's factor, [c][1] q ^ 2's
+#pragma unroll
+    for (int c = 0; c < 2; c++) {
+        const int sh_c = q_shift[2 * (qd & 1) + c];
+        const float hi = ldexpf(1.0f, -sh_c), lo = ldexpf(1.0f, -sh_c - 4);
+        qmul[c][0] = qd < 2 ? hi : lo;
+        qmul[c][1] = qd < 2 ? lo : hi;
+    }
+#else
     unsigned qf[KSTEPS][2];
 #pragma unroll
     for (int kk = 0; kk < KSTEPS; kk++) {
@@ -296,6 +431,7 @@ __device__ __forceinline__ void decode_split(
     }
     cp_async_wait<0>();  // the tiles ahead have landed
     __syncthreads();
+#endif
 #else
     cp_async_wait<0>();  // Q and the tiles ahead have landed
     __syncthreads();
@@ -414,12 +550,24 @@ __device__ __forceinline__ void decode_split(
         if (t + BUFS - 1 < n_tiles && t + BUFS - 1 >= ahead) load_kv(t + BUFS - 1, -1);
         cp_async_commit();
         cp_async_wait<1>();  // tile t has landed
+#if QK_WGMMA
+        fence_proxy_async();  // this thread's copies, before the MMAs read them
+#endif
         __syncthreads();
 #if SWAP
         const int n0 = start + t * KEYS + warp * 16;  // this warp's 16 keys
-        if (n0 < end)
-            swapped_tile(k_tile(t) + warp * 16 * STRIDE, v_tile(t) + warp * 16 * STRIDE, qf, o, m_run, l_run, end - n0,
-                         scale2);
+        float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#if QK_WGMMA
+        qk_wgmma(s, k_tile(t), sQT);  // the whole warpgroup, whether or not the warp has keys in the split
+#pragma unroll
+        for (int i = 0; i < 4; i++) {  // hi and lo halves of the same head's score, scaled back
+            const float other = __shfl_xor_sync(0xffffffffu, s[i], 2);
+            s[i] = s[i] * qmul[i & 1][0] + other * qmul[i & 1][1];
+        }
+#else
+        if (n0 < end) swapped_scores(k_tile(t) + warp * 16 * STRIDE, qf, s);
+#endif
+        if (n0 < end) swapped_tile(v_tile(t) + warp * 16 * STRIDE, s, o, m_run, l_run, end - n0, scale2);
 #else
         float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
         tile_scores(t, sc);

@@ -7,7 +7,7 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
-from ._module import check, check_scalar, f32, function, i32, i64, launch, module, sm_count, use_bf16
+from ._module import check, check_scalar, f32, function, i32, i64, launch, module, sm_count, use_bf16, wgmma_supported
 
 CHUNK_THREADS = 128
 MAX_SPLITS = 64  # flash_decode.cu's bound on the splits of one sequence
@@ -29,9 +29,23 @@ def swapped(group: int, kv_fp8: bool) -> bool:
     return kv_fp8 and group <= 8
 
 
-def smem_bytes(head_dim: int, kv_fp8: bool = False, group: int = 16, bufs: int = 2) -> int:
+QK_WGMMA = True  # the swapped form's q K^T on wgmma where qk_wgmma() holds (tests and benchmarks turn it off)
+
+
+def qk_wgmma(group: int, kv_fp8: bool, head_dim: int) -> bool:
+    """The swapped form with its q K^T on Hopper's wgmma (flash_decode.cu's -DQK_WGMMA, built for
+    sm_90a): fp8 K/V, at most 4 query heads a KV head (their hi and lo codes fill the MMA's 8
+    columns), head dim 128 (K's 128-byte rows in the swizzle the MMA reads)."""
+    return QK_WGMMA and swapped(group, kv_fp8) and group <= 4 and head_dim == 128 and wgmma_supported()
+
+
+def smem_bytes(head_dim: int, kv_fp8: bool = False, group: int = 16, bufs: int = 2, wgmma: bool = False) -> int:
     """The 16-row query tile (none in the swapped form) and `bufs` buffers of K and V tiles,
-    rows padded by 8 elements (fp8: byte rows padded by 16 bytes)."""
+    rows padded by 8 elements (fp8: byte rows padded by 16 bytes). wgmma (q K^T on it): up to
+    1,024 bytes to align, q^T's 8 rows of codes, K tiles of unpadded rows, V tiles as above, and
+    4 ints."""
+    if wgmma:
+        return 1024 + 8 * head_dim + bufs * KEYS * (2 * head_dim + 16) + 16
     if kv_fp8:
         return (0 if swapped(group, kv_fp8) else 2 * 16 * (head_dim + 8)) + 2 * bufs * KEYS * (head_dim + 16)
     return 2 * (16 + 2 * bufs * KEYS) * (head_dim + 8)
@@ -47,7 +61,7 @@ def buffers(blocks: int, pdl: bool, head_dim: int, kv_fp8: bool, group: int) -> 
     takes at most DEEP_MAX_SMEM (not 16-bit K/V of 128-dim heads: 140 KB); else 2. H200, SmolLM2
     shape, B=1 decode graph at 160 keys (three tiles): 0.403 -> 0.395 ms, the attention 3.13 -> 2.93 us
     a layer; B=8 decode (32 + 128 tokens) +3 %; 8B fp8 B=1 at 128 + 64 tokens 364.1 -> 369.0 tok/s."""
-    deep = pdl and blocks <= sm_count() and smem_bytes(head_dim, kv_fp8, group, 4) <= DEEP_MAX_SMEM
+    deep = pdl and blocks <= sm_count() and smem_bytes(head_dim, kv_fp8, group, 4, qk_wgmma(group, kv_fp8, head_dim)) <= DEEP_MAX_SMEM
     return 4 if deep else 2
 
 
@@ -94,10 +108,12 @@ def flash_decode(q: cp.ndarray, k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, kv_lens:
     group = H // num_kv_heads
     blocks = B * num_kv_heads * S
     bufs = buffers(blocks, pdl, D, kv_fp8, group)
-    mod = module("flash_decode", USE_BF16=use_bf16(q), HEAD_DIM=D, GROUP=group, CHUNK=chunk, KV_FP8=int(kv_fp8),
-                 WHOLE=whole, SHORT=short, MIN_BLOCKS=min_blocks(blocks, D, group, kv_fp8),
-                 SWAP=int(swapped(group, kv_fp8)), BUFS=bufs, AHEAD=bufs if pdl else 1)
-    smem = smem_bytes(D, kv_fp8, group, bufs)
+    wg = qk_wgmma(group, kv_fp8, D)
+    mod = module("flash_decode", arch="sm_90a" if wg else None, USE_BF16=use_bf16(q), HEAD_DIM=D, GROUP=group,
+                 CHUNK=chunk, KV_FP8=int(kv_fp8), WHOLE=whole, SHORT=short,
+                 MIN_BLOCKS=min_blocks(blocks, D, group, kv_fp8), SWAP=int(swapped(group, kv_fp8)),
+                 QK_WGMMA=int(wg), BUFS=bufs, AHEAD=bufs if pdl else 1)
+    smem = smem_bytes(D, kv_fp8, group, bufs, wg)
     launch(function(mod, "flash_decode_chunk", smem), (S, num_kv_heads, B), (CHUNK_THREADS,),
            (q, k_ptrs, v_ptrs, kv_lens, i64(layer_offset), part_o, part_ml, counters, out, i32(H), i32(num_kv_heads),
             i32(S), i32(window), f32(scale)), shared_mem=smem, pdl=pdl)

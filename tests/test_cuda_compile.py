@@ -27,6 +27,8 @@ FP8_ARCHS = ("-gencode", "arch=compute_90,code=sm_90")  # the e4m3 conversions n
 VARIANTS = {"flash_decode": [{"HEAD_DIM": 64, "GROUP": 3}, {"HEAD_DIM": 128, "GROUP": 4},
                              {"HEAD_DIM": 128, "GROUP": 4, "KV_FP8": 1, "WHOLE": 256},
                              {"HEAD_DIM": 128, "GROUP": 4, "KV_FP8": 1, "SWAP": 1, "MIN_BLOCKS": 4},
+                             {"HEAD_DIM": 128, "GROUP": 4, "KV_FP8": 1, "SWAP": 1, "MIN_BLOCKS": 4, "QK_WGMMA": 1,
+                              "BUFS": 4, "AHEAD": 4},
                              {"HEAD_DIM": 128, "GROUP": 16, "KV_FP8": 1}],
             "flash_prefill": [{"HEAD_DIM": 64}, {"HEAD_DIM": 128}, {"HEAD_DIM": 128, "KV_FP8": 1},
                               {"HEAD_DIM": 128, "KV_FP8": 1, "HEADS": 2}, {"HEAD_DIM": 64, "HEADS": 4}],
@@ -62,8 +64,10 @@ VARIANTS = {"flash_decode": [{"HEAD_DIM": 64, "GROUP": 3}, {"HEAD_DIM": 128, "GR
                          {"BT": 64, "RM": 7, "CW": 2, "TSPLIT": 2, "STAGES": 3}]}
 FP8_ONLY = {"quant"}  # families that are all e4m3
 # families built for an architecture-specific target at run time (gemm.py: wgmma needs sm_90a);
-# built for it here too, so that the wgmma and tensor-copy code is compiled, not #if-ed away
-ARCH_SPECIFIC = {family: ("-gencode", "arch=compute_90a,code=sm_90a") for family in ("gemm_fp8", "flash_prefill_wgmma")}
+# built for it here too, so that the wgmma and tensor-copy code is compiled, not #if-ed away; and
+# the variants of other families that take wgmma (flash_decode.py's QK_WGMMA)
+SM90A = ("-gencode", "arch=compute_90a,code=sm_90a")
+ARCH_SPECIFIC = {family: SM90A for family in ("gemm_fp8", "flash_prefill_wgmma")}
 
 
 def jobs():
@@ -81,7 +85,7 @@ def test_every_kernel_family_compiles(tmp_path):
         out = tmp_path / f"{cu.stem}-{'-'.join(map(str, defines.values()))}.fatbin"
         fp8 = defines.get("KV_FP8") or defines.get("W_FP8") or defines.get("QUANT_OUT") or cu.stem in FP8_ONLY
         sm90_only = fp8 or defines["USE_BF16"]
-        archs = ARCH_SPECIFIC.get(cu.stem) or (FP8_ARCHS if sm90_only else ARCHS)
+        archs = ARCH_SPECIFIC.get(cu.stem) or (SM90A if defines.get("QK_WGMMA") else FP8_ARCHS if sm90_only else ARCHS)
         result = subprocess.run([NVCC, "-std=c++17", f"-I{KERNELS}", *flags, *archs, "-fatbin", str(cu), "-o", str(out)],
                                 capture_output=True, text=True)
         return cu.name, defines, result.returncode, result.stderr[-2000:]

@@ -98,16 +98,19 @@ def test_smollm2_fp8_weights_stay_close(smollm2, smollm2_runner, accumulation):
     ("llama_tied_mha", "auto", None, None), ("llama_hd64", "fp8", None, None), ("mistral_hd32", "fp8", None, None),
     ("qwen2", "auto", "fp8", None), ("llama_hd64", "fp8", "fp8", None),
     ("llama", "auto", None, "bfloat16"), ("qwen2", "auto", "fp8", "bfloat16"), ("mistral", "auto", None, "run-bf16"),
-    ("llama_hd64", "fp8", None, "bfloat16")])
+    ("llama_hd64", "fp8", None, "bfloat16"), ("llama_hd128", "fp8", None, None)])
 def test_tiny_models_match_the_numpy_runner(tmp_path, name, kv_dtype, quant, dtype):
     """A ragged prefill through the eager path, then decode steps through execute()
     (the captured graph), against the NumPy runner's logits; with an fp8 K/V cache the
     keys and values are rounded to e4m3 (3 mantissa bits), and with fp8 weights the
     matrices and their inputs, so the bounds are looser. A bfloat16 checkpoint runs in
     bfloat16, its prefill (over GEMV_MAX_ROWS rows) with a bfloat16 residual stream; so does a
-    float32 one run with --dtype bfloat16 ("run-bf16")."""
+    float32 one run with --dtype bfloat16 ("run-bf16"). "llama_hd128": the 8B shapes' heads (128
+    dims, 4 query heads a KV head), whose fp8 decode attention takes q K^T on wgmma on Hopper."""
     saved, run = (None, "bfloat16") if dtype == "run-bf16" else (dtype, "auto")
-    path = build_tiny_model(tmp_path, name, seed=5, dtype=saved)
+    base, config = (("llama_hd64", dict(hidden_size=512, num_attention_heads=4, num_key_value_heads=1))
+                    if name == "llama_hd128" else (name, None))
+    path = build_tiny_model(tmp_path, base, seed=5, config=config, dtype=saved)
     model = load_model(str(path), with_tokenizer=False)
     ref_runner = NumpyRunner(model.config, model.weights, num_kv_slots=REGION * 3, max_model_len=REGION,
                              progress=False)

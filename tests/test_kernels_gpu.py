@@ -1283,7 +1283,9 @@ def test_flash_decode_bfloat16_fp8_multiplies_in_float16(D):
     bfloat16 model's q goes to float16 (held to its range) and the MMAs take float16 operands, as
     e4m3 widens to float16 in one convert. So the output is the float16 launch's on the same q to
     within bfloat16's rounding of the same float32 sums, and a q past float16's range gives a finite
-    output."""
+    output. (On Hopper at head dim 128 q K^T runs on wgmma, from q's e4m3 codes scaled a head at a
+    time, the same codes from either type where q is within float16's range; the head past it
+    scales otherwise, and its output agrees to the same tolerance.)"""
     from kernels_cuda.flash_decode import flash_decode
     (H, KVH), region, splits = (8, 2), 1024, 3
     lens = np.array([1, 70, 129, 0, 640, 1000], np.int32)
@@ -1305,6 +1307,47 @@ def test_flash_decode_bfloat16_fp8_multiplies_in_float16(D):
     live = lens > 0
     assert np.isfinite(got[live]).all() and np.abs(got[live]).max() > 0
     np.testing.assert_allclose(got[live], want[live], rtol=2.0 ** -8, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_flash_decode_qk_on_wgmma(dtype, monkeypatch):
+    """Hopper, fp8 K/V, 4 query heads a KV head, head dim 128: q K^T on wgmma from q's hi and lo
+    e4m3 codes (flash_decode.qk_wgmma) against softmax(q k^T * scale) v in float64, and against the
+    form on float16 MMAs: heads of plain values, a head of zeros, a head whose one large value puts
+    the rest among e4m3's subnormals, a head of tiny values, rows of one split and of several."""
+    import kernels_cuda.flash_decode as fd
+    from kernels_cuda._module import wgmma_supported
+    if not wgmma_supported():
+        pytest.skip("wgmma needs an sm_90 GPU")
+    (H, KVH), D, region, splits = (8, 2), 128, 1024, 4
+    assert fd.qk_wgmma(H // KVH, True, D) and not fd.qk_wgmma(H // KVH, False, D) and not fd.qk_wgmma(8, True, D)
+    lens = np.array([1, 64, 130, 0, 575, 1000], np.int32)
+    B = len(lens)
+    q = rng.standard_normal((B, H, D)).astype(np.float32) * 2
+    q[:, 1] = 0.0  # a head of zeros
+    q[:, 2] *= 1e-5
+    q[:, 2, 7] = 2.0  # one value of the head ~2^17 times the others: they scale into e4m3's subnormals
+    q[:, 5] *= 1e-6  # tiny values
+    q = rounded(q, dtype)
+    kv, kp, vp, _pool = kv_cache_rows(True, B, region, KVH, D)
+
+    def run(wgmma: bool) -> np.ndarray:
+        monkeypatch.setattr(fd, "QK_WGMMA", wgmma)
+        out = cp.full((B, H, D), np.nan, np.uint16 if dtype == "bfloat16" else np.float16)
+        part_o, part_ml = cp.zeros((B, H, splits, D), np.float32), cp.zeros((B, H, splits, 2), np.float32)
+        fd.flash_decode(to_dev(q, dtype), kp, vp, cp.asarray(lens), 0, KVH, part_o, part_ml,
+                        cp.zeros((B, KVH), np.int32), out, D ** -0.5, chunk=128, kv_fp8=True)
+        return from_dev(out).astype(np.float64)
+
+    got, other = run(True), run(False)
+    for b, n in enumerate(lens):
+        if n == 0:
+            continue
+        for h in range(H):
+            ref = attend_f64(kv, b, n, 0, h // (H // KVH), q[b, h], D ** -0.5)
+            tol = np.abs(ref).max()
+            np.testing.assert_allclose(got[b, h], ref, rtol=2e-2, atol=2e-2 * tol)
+            np.testing.assert_allclose(got[b, h], other[b, h], rtol=0, atol=8e-3 * tol)
 
 
 @pytest.mark.parametrize("kernel", ["mma", "wgmma"])
