@@ -34,9 +34,10 @@ QK_WGMMA = True  # the swapped form's q K^T on wgmma where qk_wgmma() holds (tes
 
 def qk_wgmma(group: int, kv_fp8: bool, head_dim: int) -> bool:
     """The swapped form with its q K^T on Hopper's wgmma (flash_decode.cu's -DQK_WGMMA, built for
-    sm_90a): fp8 K/V, at most 4 query heads a KV head (their hi and lo codes fill the MMA's 8
-    columns), head dim 128 (K's 128-byte rows in the swizzle the MMA reads)."""
-    return QK_WGMMA and swapped(group, kv_fp8) and group <= 4 and head_dim == 128 and wgmma_supported()
+    sm_90a): fp8 K/V, 4 query heads a KV head (their hi and lo codes fill the MMA's 8 columns;
+    the kernel takes fewer too, but only 4, the Llama-3 / Mistral shapes', has run on a GPU), head
+    dim 128 (K's 128-byte rows in the swizzle the MMA reads)."""
+    return QK_WGMMA and swapped(group, kv_fp8) and group == 4 and head_dim == 128 and wgmma_supported()
 
 
 def smem_bytes(head_dim: int, kv_fp8: bool = False, group: int = 16, bufs: int = 2, wgmma: bool = False) -> int:

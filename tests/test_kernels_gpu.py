@@ -1213,14 +1213,16 @@ def kv_cache_rows(kv8: bool, rows: int, region: int, kv_heads: int, head_dim: in
     (3, 128, 300, (8, 2), 1, 0, 0), (2, 128, 0, (16, 1), 1, 0, 0), (1, 256, 0, (8, 2), 4, 0, 0),
     (3, 128, 300, (8, 2), 4, 0, 0), (6, 128, 0, (8, 2), 1, 256, 0), (3, 128, 300, (8, 2), 1, 320, 0),
     (16, 128, 0, (8, 2), 1, 256, 1024), (10, 128, 0, (8, 2), 1, 0, 640), (8, 128, 300, (8, 2), 1, 0, 512),
-    (3, 128, 300, (14, 2), 1, 0, 0)])
+    (3, 128, 300, (14, 2), 1, 0, 0), (2, 128, 0, (4, 4), 1, 0, 0), (3, 128, 300, (6, 2), 4, 0, 0),
+    (1, 256, 0, (4, 2), 1, 0, 0)])
 @pytest.mark.parametrize("D", [64, 128])
 def test_flash_decode(kv8, splits, chunk, window, heads, min_blocks, whole, short, D, monkeypatch):
     """Split-KV decode attention against softmax(q k^T * scale) v in float64: rows of various
     lengths (0: a padding row) in `splits` splits of `chunk` keys, or longer ones where those do
     not cover a row (2 splits for 1,000 keys: two of 512); `window`: sliding-window attention;
     16 query heads a KV head (all 16 rows of the tile live), 7 (fp8: the form with keys as the
-    MMA's rows, whose 8 head columns one group of up to 8 fills); min_blocks 4: the launch bounds of
+    MMA's rows, whose 8 head columns one group of up to 8 fills), 4 (fp8 at head dim 128 on Hopper:
+    q K^T on wgmma, flash_decode.qk_wgmma), 3, 2 and 1; min_blocks 4: the launch bounds of
     large fp8 grids, forced on this small one; `whole`: rows of at most that many keys (after
     the window) take one split, which writes no partials; `short`: longer rows of at most that
     many keys take splits of 64 (1,000 keys in 16, 640 in 10). Head dims 64 (SmolLM2) and 128
@@ -1321,6 +1323,7 @@ def test_flash_decode_qk_on_wgmma(dtype, monkeypatch):
         pytest.skip("wgmma needs an sm_90 GPU")
     (H, KVH), D, region, splits = (8, 2), 128, 1024, 4
     assert fd.qk_wgmma(H // KVH, True, D) and not fd.qk_wgmma(H // KVH, False, D) and not fd.qk_wgmma(8, True, D)
+    assert not fd.qk_wgmma(H // KVH, True, 64)
     lens = np.array([1, 64, 130, 0, 575, 1000], np.int32)
     B = len(lens)
     q = rng.standard_normal((B, H, D)).astype(np.float32) * 2
