@@ -62,7 +62,8 @@ def buffers(blocks: int, pdl: bool, head_dim: int, kv_fp8: bool, group: int) -> 
     takes at most DEEP_MAX_SMEM (not 16-bit K/V of 128-dim heads: 140 KB); else 2. H200, SmolLM2
     shape, B=1 decode graph at 160 keys (three tiles): 0.403 -> 0.395 ms, the attention 3.13 -> 2.93 us
     a layer; B=8 decode (32 + 128 tokens) +3 %; 8B fp8 B=1 at 128 + 64 tokens 364.1 -> 369.0 tok/s."""
-    deep = pdl and blocks <= sm_count() and smem_bytes(head_dim, kv_fp8, group, 4, qk_wgmma(group, kv_fp8, head_dim)) <= DEEP_MAX_SMEM
+    deep_smem = smem_bytes(head_dim, kv_fp8, group, 4, qk_wgmma(group, kv_fp8, head_dim))
+    deep = pdl and blocks <= sm_count() and deep_smem <= DEEP_MAX_SMEM
     return 4 if deep else 2
 
 

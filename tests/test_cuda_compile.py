@@ -85,7 +85,8 @@ def test_every_kernel_family_compiles(tmp_path):
         out = tmp_path / f"{cu.stem}-{'-'.join(map(str, defines.values()))}.fatbin"
         fp8 = defines.get("KV_FP8") or defines.get("W_FP8") or defines.get("QUANT_OUT") or cu.stem in FP8_ONLY
         sm90_only = fp8 or defines["USE_BF16"]
-        archs = ARCH_SPECIFIC.get(cu.stem) or (SM90A if defines.get("QK_WGMMA") else FP8_ARCHS if sm90_only else ARCHS)
+        archs = (ARCH_SPECIFIC.get(cu.stem) or (SM90A if defines.get("QK_WGMMA") else None)
+                 or (FP8_ARCHS if sm90_only else ARCHS))
         result = subprocess.run([NVCC, "-std=c++17", f"-I{KERNELS}", *flags, *archs, "-fatbin", str(cu), "-o", str(out)],
                                 capture_output=True, text=True)
         return cu.name, defines, result.returncode, result.stderr[-2000:]
