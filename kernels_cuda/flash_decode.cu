@@ -57,14 +57,15 @@
 #define SWAP 0
 #endif
 // -DQK_WGMMA (SWAP, HEAD_DIM 128, at most 4 heads a group; built for sm_90a): q K^T of a 64-key
-// tile as one warpgroup MMA (wgmma m64n8k32, e4m3 x e4m3) from shared memory, K's bytes as they
-// are stored (no converts; K staged in 128-byte-swizzled rows) and q^T as e4m3 codes written
-// once a block: each head's q scaled by a power of two into [128, 256), its codes in column h
-// (hi) and the codes of 16 (q - hi) in column 4 + h (lo), so hi + lo / 16 keeps ~8 significant
-// bits, as bfloat16 does. The accumulators of warp w are keys 16w..16w+15 in the layout of the
-// mma.sync form; lanes q and q ^ 2 hold the hi and lo scores of the same two heads and add them,
-// each scaled back (qmul), after which lanes q >= 2 play the part of the padding heads 4..7. P V
-// stays on mma.sync (mma.sync with e4m3 operands compiles to converts and float16 MMAs on sm_90).
+// tile on warpgroup MMAs (wgmma m64n8k32, e4m3 x e4m3, one a 32-dim step) from shared memory,
+// K's bytes as they are stored (no converts; K staged in 128-byte-swizzled rows) and q^T as e4m3
+// codes written once a block: each head's q scaled by a power of two into [128, 256), its codes
+// in column h (hi) and the codes of 16 (q - hi) in column 4 + h (lo), so hi + lo / 16 keeps ~8
+// significant bits, as bfloat16 does. The accumulators of warp w are keys 16w..16w+15 in the
+// layout of the mma.sync form; lanes q and q ^ 2 hold the hi and lo scores of the same two heads
+// and add them, each scaled back (qmul), after which lanes q >= 2 play the part of the padding
+// heads 4..7. P V stays on mma.sync (mma.sync with e4m3 operands compiles to converts and float16
+// MMAs on sm_90).
 #ifndef QK_WGMMA
 #define QK_WGMMA 0
 #endif
@@ -228,8 +229,8 @@ __device__ __forceinline__ void qk_wgmma(float (&s)[4], const unsigned char *kt,
     for (int kk = 0; kk < HEAD_DIM / 32; kk++) {
         const unsigned long long da = da0 + 2 * kk, db = db0 + 2 * kk;  // 32 bytes of K further on
 #if WGMMA_OK  // scale-d 0: the step's sums alone
-        asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, 0, 0;\n\twgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 "
-                     "{%0, %1, %2, %3}, %4, %5, p, 1, 1;\n\t}"
+        asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, 0, 0;\n\t"
+                     "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, %4, %5, p, 1, 1;\n\t}"
                      : "=f"(part[kk][0]), "=f"(part[kk][1]), "=f"(part[kk][2]), "=f"(part[kk][3])
                      : "l"(da), "l"(db));
 #else
