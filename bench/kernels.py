@@ -456,14 +456,15 @@ def fill_kv_random(runner) -> None:
 
 def mixed_table(shape_name: str, decodes: int, context: int, prompts: int, prompt_len: int,
                 quantization: str | None = None, kv_dtype: str = "auto", rounds: int = 8,
-                eager: bool = False) -> list[str]:
+                eager: bool = False, dtype: str = "auto") -> list[str]:
     """GPU time of one mixed step (`decodes` one-token rows at `context` keys + `prompts`
     prompts of `prompt_len` tokens, one runner.submit) by kernel: events around every kernel
     function the runner calls; the gaps between kernels are what the step's events hold
     beyond them. Medians over the rounds after the first two. The kernels inside the step's
     graphs (a ragged step's layers, a decode step) count as gaps; with `eager` the runner
     captures none (enforce_eager), so every kernel is timed. A step of 2,040 rows takes as
-    long either way (H200, 8B fp8: 31.35 ms); a decode-only step eager is the host's pace."""
+    long either way (H200, 8B fp8: 31.35 ms); a decode-only step eager is the host's pace.
+    dtype: the model's 16-bit type (EngineConfig.dtype; bfloat16: a 16-bit residual stream)."""
     import numpy as np
 
     import engine.runner.cuda_runner as cr
@@ -476,7 +477,7 @@ def mixed_table(shape_name: str, decodes: int, context: int, prompts: int, promp
     region = max(context, prompt_len) + 64
     rows = decodes + prompts * prompt_len
     pool_bytes = int(1.1 * (decodes + prompts) * region * cfg.kv_bytes_per_token(1 if kv_dtype == "fp8" else 2))
-    config = EngineConfig(model=shape_name, device="cuda", quantization=quantization,
+    config = EngineConfig(model=shape_name, device="cuda", quantization=quantization, dtype=dtype,
                           cache=CacheConfig(kv_cache_bytes=max(pool_bytes, 1 << 30), kv_cache_dtype=kv_dtype),
                           scheduler=SchedulerConfig(max_num_seqs=max(decodes + prompts, 1), max_model_len=region,
                                                     max_num_batched_tokens=max(2048, rows)),
@@ -534,7 +535,7 @@ def mixed_table(shape_name: str, decodes: int, context: int, prompts: int, promp
     del runner
     cp.get_default_memory_pool().free_all_blocks()
     med = {name: statistics.median(v[2:] if len(v) > 2 else v) for name, v in times.items()}
-    out = [(f"mixed step {shape_name} w={quantization or '16'} kv={kv_dtype}: {decodes} decode rows at {context} "
+    out = [(f"mixed step {shape_name} {dtype} w={quantization or '16'} kv={kv_dtype}: {decodes} decode rows at {context} "
             f"keys + {prompts} prompts x {prompt_len} = {rows} rows{' (eager)' if eager else ''}: "
             f"{med.pop('step'):.3f} ms")]
     for name, ms in sorted(med.items(), key=lambda kv: -kv[1]):
@@ -613,6 +614,7 @@ def main() -> None:
                     "L tokens, its GPU time by kernel, and stop (with --quantization, --kv-cache-dtype)")
     ap.add_argument("--eager", action="store_true", help="--mixed: the runner without graphs, so that the kernels "
                     "inside them are timed too")
+    ap.add_argument("--dtype", default="auto", help="--mixed: the model's 16-bit type (auto, float16, bfloat16)")
     ap.add_argument("--read-patterns", action="store_true", help="HBM read bandwidth of the skinny GEMM's grid by "
                     "the addresses a warp load covers (bench/read_patterns.cu), and stop")
     ap.add_argument("--sampling", action="store_true", help="the sampling kernel alone at the shape's vocabulary, "
@@ -632,7 +634,7 @@ def main() -> None:
     if args.mixed:
         decodes, context, prompts, prompt_len = (int(x) for x in args.mixed.split(","))
         print("\n".join(mixed_table(args.shape, decodes, context, prompts, prompt_len, args.quantization,
-                                    args.kv_cache_dtype, eager=args.eager)))
+                                    args.kv_cache_dtype, eager=args.eager, dtype=args.dtype)))
         return
     if args.timeline:
         for B in batches:

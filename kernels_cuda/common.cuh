@@ -669,22 +669,31 @@ __device__ __forceinline__ kv_t *kv_row(const long long *ptrs, long long t, long
     return reinterpret_cast<kv_t *>(ptrs[t]) + layer_offset + (long long)pos * kv_width;
 }
 
+// Byte offset of 16-byte chunk `chunk` of row r in a tile of 128-byte rows with the 128-byte
+// swizzle of Hopper's wgmma operands (wgmma.cuh's smem_desc): 8-row groups of 1,024 bytes, a
+// row's chunks permuted by the row's place in its group.
+__device__ __forceinline__ int smem_swizzle(int r, int chunk) { return r * 128 + ((chunk ^ (r & 7)) << 4); }
+
 // K and V rows of keys n0 .. n0 + ROWS - 1 into shared memory with cp.async (16 bytes a
-// copy, by the block's NTHREADS threads): row r lands at dk / dv + r * stride (kv_t elements, a multiple of
-// 16 bytes). Keys from `limit` on are zeros (never NaN times 0 in P V) and read key
-// `fallback`'s address, which must be mapped. Key `skip` is left alone (not copied).
-template <int ROWS, int DIM, int NTHREADS>
+// copy, by the block's NTHREADS threads): they land in rows row0 .. row0 + ROWS - 1, row r at dk /
+// dv + r * stride (kv_t elements, a multiple of 16 bytes); SWIZZLED_K: K's rows of 128 bytes at
+// dk + smem_swizzle(r, chunk) instead (the wgmma operand's layout). Keys from `limit` on are zeros
+// (never NaN times 0 in P V) and read key `fallback`'s address, which must be mapped. Key `skip`
+// is left alone (not copied).
+template <int ROWS, int DIM, int NTHREADS, bool SWIZZLED_K = false>
 __device__ __forceinline__ void load_kv_tile(kv_t *dk, kv_t *dv, int stride, const kv_t *kb, const kv_t *vb,
-                                             long long kv_stride, int n0, int limit, int fallback, int skip = -1) {
+                                             long long kv_stride, int n0, int limit, int fallback, int skip = -1,
+                                             int row0 = 0) {
     constexpr int PIECES = DIM * (int)sizeof(kv_t) / 16, PER = 16 / (int)sizeof(kv_t);
+    static_assert(!SWIZZLED_K || PIECES == 8, "SWIZZLED_K: rows of 128 bytes");
 #pragma unroll
     for (int i = threadIdx.x; i < ROWS * PIECES; i += NTHREADS) {
         const int r = i / PIECES, c = (i % PIECES) * PER, key = n0 + r;
         if (key == skip) continue;
         const bool ok = key < limit;
         const long long off = (long long)(ok ? key : fallback) * kv_stride + c;
-        cp_async16(dk + r * stride + c, kb + off, ok);
-        cp_async16(dv + r * stride + c, vb + off, ok);
+        cp_async16(SWIZZLED_K ? dk + smem_swizzle(row0 + r, i % PIECES) : dk + (row0 + r) * stride + c, kb + off, ok);
+        cp_async16(dv + (row0 + r) * stride + c, vb + off, ok);
     }
 }
 

@@ -317,7 +317,7 @@ __device__ __forceinline__ void decode_split(
 #if QK_WGMMA
     auto k_tile = [&](int t) { return sKT + (t % BUFS) * KT_BYTES; };
     auto v_tile = [&](int t) { return sVT + (t % BUFS) * VT_BYTES; };
-    constexpr int STRIDE = SROW;  // V's (K's rows are 128-byte swizzled)
+    constexpr int STRIDE = SROW;  // V's (K's rows are 128-byte swizzled: load_kv_tile's SWIZZLED_K)
 #elif KV_FP8
     auto k_tile = [&](int t) { return st + (t % BUFS) * 2 * KEYS * SROW; };
     auto v_tile = [&](int t) { return st + ((t % BUFS) * 2 + 1) * KEYS * SROW; };
@@ -327,27 +327,10 @@ __device__ __forceinline__ void decode_split(
     auto v_tile = [&](int t) { return sV + (t % BUFS) * KEYS * LDS; };
     constexpr int STRIDE = LDS;
 #endif
-#if QK_WGMMA
-    // rows row0 .. row0 + rows - 1 of tile t (keys start + t * KEYS + row ..), but key `skip`; K's
-    // rows 128-byte swizzled for the MMA, V's as in the other forms
-    auto load_rows = [&](int t, int row0, int rows, int skip) {
-        constexpr int PIECES = HEAD_DIM / 16;
-        for (int i = threadIdx.x; i < rows * PIECES; i += THREADS) {
-            const int r = row0 + i / PIECES, c = i % PIECES, key = start + t * KEYS + r;
-            if (key == skip) continue;
-            const bool ok = key < end;
-            const long long off = (long long)(ok ? key : start) * kv_stride + c * 16;
-            cp_async16(k_tile(t) + smem_swizzle(r, c), kb + off, ok);
-            cp_async16(v_tile(t) + r * SROW + c * 16, vb + off, ok);
-        }
-    };
-    auto load_kv = [&](int t, int skip) { load_rows(t, 0, KEYS, skip); };
-#else
     auto load_kv = [&](int t, int skip) {  // tile t: keys start + t * KEYS .., but key `skip`
-        load_kv_tile<KEYS, HEAD_DIM, THREADS>(k_tile(t), v_tile(t), STRIDE, kb, vb, kv_stride, start + t * KEYS, end,
-                                              start, skip);
+        load_kv_tile<KEYS, HEAD_DIM, THREADS, QK_WGMMA>(k_tile(t), v_tile(t), STRIDE, kb, vb, kv_stride,
+                                                        start + t * KEYS, end, start, skip);
     };
-#endif
     // The first AHEAD tiles but this step's own key (kv_len - 1) before the wait: earlier steps
     // wrote them. With AHEAD = BUFS a row of up to BUFS tiles (SmolLM2 at up to 128 or 256 keys) has
     // nothing but q and its own key to load after the wait.
@@ -366,7 +349,8 @@ __device__ __forceinline__ void decode_split(
 #endif
     if (own_tile < ahead) {  // the own key's row, where the tiles above left it out
 #if QK_WGMMA
-        load_rows(own_tile, own - start - own_tile * KEYS, 1, -1);
+        load_kv_tile<1, HEAD_DIM, THREADS, true>(k_tile(own_tile), v_tile(own_tile), STRIDE, kb, vb, kv_stride, own,
+                                                 own + 1, start, -1, own - start - own_tile * KEYS);
 #else
         const int at = (own - start - own_tile * KEYS) * STRIDE;
         load_kv_tile<1, HEAD_DIM, THREADS>(k_tile(own_tile) + at, v_tile(own_tile) + at, STRIDE, kb, vb, kv_stride, own,

@@ -34,10 +34,10 @@ QK_WGMMA = True  # the swapped form's q K^T on wgmma where qk_wgmma() holds (tes
 
 def qk_wgmma(group: int, kv_fp8: bool, head_dim: int) -> bool:
     """The swapped form with its q K^T on Hopper's wgmma (flash_decode.cu's -DQK_WGMMA, built for
-    sm_90a): fp8 K/V, 4 query heads a KV head (their hi and lo codes fill the MMA's 8 columns;
-    the kernel takes fewer too, but only 4, the Llama-3 / Mistral shapes', has run on a GPU), head
-    dim 128 (K's 128-byte rows in the swizzle the MMA reads)."""
-    return QK_WGMMA and swapped(group, kv_fp8) and group == 4 and head_dim == 128 and wgmma_supported()
+    sm_90a): fp8 K/V, at most 4 query heads a KV head (their hi and lo codes fill the MMA's 8
+    columns; fewer leave columns of zeros), head dim 128 (K's 128-byte rows in the swizzle the
+    MMA reads)."""
+    return QK_WGMMA and swapped(group, kv_fp8) and group <= 4 and head_dim == 128 and wgmma_supported()
 
 
 def smem_bytes(head_dim: int, kv_fp8: bool = False, group: int = 16, bufs: int = 2, wgmma: bool = False) -> int:
@@ -55,14 +55,15 @@ def smem_bytes(head_dim: int, kv_fp8: bool = False, group: int = 16, bufs: int =
 DEEP_MAX_SMEM = 96 << 10  # four buffers only where a block's shared memory stays within this
 
 
-def buffers(blocks: int, pdl: bool, head_dim: int, kv_fp8: bool, group: int) -> int:
+def buffers(blocks: int, pdl: bool, head_dim: int, kv_fp8: bool, group: int, wgmma: bool) -> int:
     """K/V tile buffers a block (flash_decode.cu's -DBUFS): 4 for a launch with programmatic
     dependent launch whose blocks fit the SMs at once (the decode graphs of a few rows), so that
     a row of up to 256 keys in one split has all its tiles asked for before the wait, where that
     takes at most DEEP_MAX_SMEM (not 16-bit K/V of 128-dim heads: 140 KB); else 2. H200, SmolLM2
     shape, B=1 decode graph at 160 keys (three tiles): 0.403 -> 0.395 ms, the attention 3.13 -> 2.93 us
-    a layer; B=8 decode (32 + 128 tokens) +3 %; 8B fp8 B=1 at 128 + 64 tokens 364.1 -> 369.0 tok/s."""
-    deep_smem = smem_bytes(head_dim, kv_fp8, group, 4, qk_wgmma(group, kv_fp8, head_dim))
+    a layer; B=8 decode (32 + 128 tokens) +3 %; 8B fp8 B=1 at 128 + 64 tokens 364.1 -> 369.0 tok/s.
+    wgmma: the launch's q K^T on wgmma (qk_wgmma)."""
+    deep_smem = smem_bytes(head_dim, kv_fp8, group, 4, wgmma)
     deep = pdl and blocks <= sm_count() and deep_smem <= DEEP_MAX_SMEM
     return 4 if deep else 2
 
@@ -109,8 +110,8 @@ def flash_decode(q: cp.ndarray, k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, kv_lens:
     check(out, "out", q.dtype, (B, H, D))
     group = H // num_kv_heads
     blocks = B * num_kv_heads * S
-    bufs = buffers(blocks, pdl, D, kv_fp8, group)
     wg = qk_wgmma(group, kv_fp8, D)
+    bufs = buffers(blocks, pdl, D, kv_fp8, group, wg)
     mod = module("flash_decode", arch="sm_90a" if wg else None, USE_BF16=use_bf16(q), HEAD_DIM=D, GROUP=group,
                  CHUNK=chunk, KV_FP8=int(kv_fp8), WHOLE=whole, SHORT=short,
                  MIN_BLOCKS=min_blocks(blocks, D, group, kv_fp8), SWAP=int(swapped(group, kv_fp8)),

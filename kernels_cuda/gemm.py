@@ -239,17 +239,17 @@ class _Lt:
         return list(results[:found.value])
 
     def matmul(self, plan: tuple, algo: "_HeuristicResult", xq: cp.ndarray, w: Fp8Matrix, out: cp.ndarray,
-               x_scale: cp.ndarray | None = None) -> int:
+               x_scale: cp.ndarray | None = None, add: bool = False) -> int:
         """One product on the current stream; cuBLAS's status. x_scale: the tokens' scales, for
         a plan scaled in the epilogue (the weights' are w.scale). The descriptor holds the
         scales' addresses, so they are set here, before each call (a captured graph keeps the
-        values of its capture)."""
+        values of its capture). add: out += the product (beta 1, out as C and D), else out =."""
         desc, a, b, c, _ = plan
         if x_scale is not None:
             self._set(desc, _LT_A_SCALE_POINTER, ctypes.c_void_p(w.scale.data.ptr))
             self._set(desc, _LT_B_SCALE_POINTER, ctypes.c_void_p(x_scale.data.ptr))
         return self.lib.cublasLtMatmul(self.handle, desc, ctypes.byref(_ONE_LT), w.data.data.ptr, a, xq.data.ptr, b,
-                                       ctypes.byref(_ZERO_LT), out.data.ptr, c, out.data.ptr, c,
+                                       ctypes.byref(_ONE_LT if add else _ZERO_LT), out.data.ptr, c, out.data.ptr, c,
                                        ctypes.byref(algo.algo), self.workspace.data.ptr, LT_WORKSPACE_BYTES,
                                        cp.cuda.get_current_stream().ptr)
 
@@ -289,12 +289,14 @@ def gemm_fp8(xq: cp.ndarray, w: Fp8Matrix, out: cp.ndarray, fast_accum: bool = F
 
 
 def gemm_fp8_scaled(xq: cp.ndarray, x_scale: cp.ndarray, w: Fp8Matrix, out: cp.ndarray,
-                    fast_accum: bool = False) -> bool:
+                    fast_accum: bool = False, add: bool = False) -> bool:
     """out (M, N) bfloat16 (uint16 bits) = the product of the scaled matrices, (xq * x_scale[:,
     None]) @ (w.data * w.scale[:, None])^T, the scales applied in cuBLASLt's epilogue: its
     reader needs no scales. Its rounding differs from gemm_fp8's (the scaled sum is rounded to
-    bfloat16 once, where gemm_fp8's reader scales the rounded raw sum). Returns False, having
-    written nothing, where cuBLASLt has no algorithm for it (the caller then takes gemm_fp8)."""
+    bfloat16 once, where gemm_fp8's reader scales the rounded raw sum). add: out += the product
+    instead, in the epilogue (a residual stream's add; out's type's rounding of the sum and of
+    the product, as a 16-bit product added to the stream has). Returns False, having written
+    nothing, where cuBLASLt has no algorithm for it (the caller then takes gemm_fp8)."""
     M, N, K, out_type = _fp8_shape(xq, w, out, (np.uint16,))
     check(x_scale, "x_scale", np.float32, (M,))
     if M == 0:
@@ -304,7 +306,7 @@ def gemm_fp8_scaled(xq: cp.ndarray, x_scale: cp.ndarray, w: Fp8Matrix, out: cp.n
     if bucket in lt.unscalable:
         return False
     try:
-        _lt_product(xq, w, out, M, N, K, out_type, fast_accum, x_scale)
+        _lt_product(xq, w, out, M, N, K, out_type, fast_accum, x_scale, add)
     except RuntimeError:  # no algorithm (an older cuBLASLt, or another GPU)
         lt.unscalable.add(bucket)
         return False
@@ -328,14 +330,14 @@ def _fp8_shape(xq: cp.ndarray, w: Fp8Matrix, out: cp.ndarray, out_types: tuple) 
 
 
 def _lt_product(xq: cp.ndarray, w: Fp8Matrix, out: cp.ndarray, M: int, N: int, K: int, out_type: int,
-                fast_accum: bool, x_scale: cp.ndarray | None = None) -> None:
-    """The product through cuBLASLt: the bucket's algorithm, or the heuristic's for exactly M
-    rows where that one does not run on M."""
+                fast_accum: bool, x_scale: cp.ndarray | None = None, add: bool = False) -> None:
+    """The product through cuBLASLt (added to out: add): the bucket's algorithm, or the
+    heuristic's for exactly M rows where that one does not run on M."""
     lt, scaled = _lt_handle(), x_scale is not None
     for attempt in range(2):
         plan = (lt.plan(M, N, K, out_type, fast_accum, scaled) if attempt == 0
                 else lt.exact(M, N, K, out_type, fast_accum, scaled))
-        status = lt.matmul(plan, plan[4], xq, w, out, x_scale)
+        status = lt.matmul(plan, plan[4], xq, w, out, x_scale, add)
         if status == 0:
             break
     lt._ok(status, f"cublasLtMatmul ({M}x{K}) @ ({N}x{K})^T")

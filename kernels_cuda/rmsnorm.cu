@@ -200,6 +200,12 @@ extern "C" __global__ void add_rms_norm(res_t *__restrict__ residual, const prod
 #ifndef ROW_BIAS
 #define ROW_BIAS 0
 #endif
+// -DROW_DELTA=0: no delta (nor bias, nor scales): the residual, as stored, is normed alone and
+// not written (the products that feed it added their output in their epilogue: gemm.py's
+// gemm_fp8_scaled with add).
+#ifndef ROW_DELTA
+#define ROW_DELTA 1
+#endif
 #if ROW_THREADS
 #ifndef HIDDEN
 #error "add_rms_norm_rows needs -DHIDDEN"
@@ -209,6 +215,7 @@ constexpr int NC = HIDDEN / (8 * ROW_THREADS);  // 8-value chunks a thread: chun
 static_assert(RT == 32 || RT == 64 || RT == 128, "ROW_THREADS: 32, 64 or 128");
 static_assert(HIDDEN % (8 * RT) == 0, "HIDDEN: a multiple of 8 x ROW_THREADS");
 static_assert(RES16, "add_rms_norm_rows: a 16-bit residual stream (a float32 one lost by it: rmsnorm.py)");
+static_assert(ROW_DELTA || (!ROW_SCALED && !ROW_BIAS), "add_rms_norm_rows: scales and a bias go with a delta");
 
 // a 16-byte word of 8 16-bit values as common.cuh's vec8, and back
 __device__ __forceinline__ const vec8 &as_vec8(const uint4 &u) { return reinterpret_cast<const vec8 &>(u); }
@@ -231,29 +238,32 @@ extern "C" __global__ void __launch_bounds__(ROW_GROUP_BLOCK) add_rms_norm_rows(
     for (int c = 0; c < NC; c++) {
         const int i = c * RT + t;
         rv[c] = reinterpret_cast<const uint4 *>(r)[i];
-        dv[c] = load_prod8(d + 8 * i);
+        if (ROW_DELTA) dv[c] = load_prod8(d + 8 * i);
     }
     const float rsv = ROW_SCALED ? rs[row] : 1.0f;
     float ss = 0.0f;
 #pragma unroll
     for (int c = 0; c < NC; c++) {
         const int i = c * RT + t;
-        float x[8], e[8];
+        float x[8];
         vec8_to_float(as_vec8(rv[c]), x);
-        prod8_to_float(dv[c], e);
-        if (ROW_SCALED) {
-            float f[8];
-            load_f32<8>(cs + 8 * i, f);
+        if (ROW_DELTA) {
+            float e[8];
+            prod8_to_float(dv[c], e);
+            if (ROW_SCALED) {
+                float f[8];
+                load_f32<8>(cs + 8 * i, f);
 #pragma unroll
-            for (int j = 0; j < 8; j++) e[j] = e[j] * rsv * f[j];
+                for (int j = 0; j < 8; j++) e[j] = e[j] * rsv * f[j];
+            }
+            float b[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+            if (ROW_BIAS) load_f32<8>(bias + 8 * i, b);
+#pragma unroll
+            for (int j = 0; j < 8; j++) x[j] = x[j] + e[j] + b[j];
+            rv[c] = as_uint4(float_to_vec8(x));  // the sum rounded to 16 bits, stored, and normed as stored
+            reinterpret_cast<uint4 *>(r)[i] = rv[c];
+            vec8_to_float(as_vec8(rv[c]), x);
         }
-        float b[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-        if (ROW_BIAS) load_f32<8>(bias + 8 * i, b);
-#pragma unroll
-        for (int j = 0; j < 8; j++) x[j] = x[j] + e[j] + b[j];
-        rv[c] = as_uint4(float_to_vec8(x));  // the sum rounded to 16 bits, stored, and normed as stored
-        reinterpret_cast<uint4 *>(r)[i] = rv[c];
-        vec8_to_float(as_vec8(rv[c]), x);
 #pragma unroll
         for (int j = 0; j < 8; j += 4) ss += x[j] * x[j] + x[j + 1] * x[j + 1] + x[j + 2] * x[j + 2] + x[j + 3] * x[j + 3];
     }

@@ -70,9 +70,10 @@ def rms_norm(x: cp.ndarray, weight: cp.ndarray, eps: float, out: cp.ndarray | No
              out_dtype=np.float16, pdl: bool = False, quant: tuple | None = None,
              codes_only: bool = False) -> cp.ndarray:
     """out (rows, hidden) 16-bit = x / rms(x) * weight; x float32 (or 16-bit, of out's
-    type: a residual stream kept in 16 bits, see add_rms_norm), weight float32. quant:
-    (codes, scales) to write out's rows as e4m3 into too (_module.quant_out_args); with
-    codes_only, into them alone (out is left as it was)."""
+    type: a residual stream kept in 16 bits, see add_rms_norm; many rows of it take
+    add_rms_norm_rows without a delta, rows_kernel), weight float32. quant: (codes, scales) to
+    write out's rows as e4m3 into too (_module.quant_out_args); with codes_only, into them alone
+    (out is left as it was)."""
     if x.ndim != 2:
         raise ValueError(f"x: expected (rows, hidden), got {x.shape}")
     rows, hidden = x.shape
@@ -80,7 +81,9 @@ def rms_norm(x: cp.ndarray, weight: cp.ndarray, eps: float, out: cp.ndarray | No
     out = _out(out, rows, hidden, out_dtype)
     res16 = _res16(x, out, "x")
     quant_out, q_args = quant_out_args(quant, rows, hidden)
-    if rows:
+    if rows_kernel(rows, hidden, res16, 1):  # a 16-bit residual stream of many rows: normed as stored
+        _rows(x, None, None, weight, out, eps, None, quant, codes_only, pdl)
+    elif rows:
         threads, vec, ahead = _shape(rows, hidden)
         launch(module("rmsnorm", USE_BF16=use_bf16(out), QUANT_OUT=quant_out, NORM_VEC=vec,
                       NORM_AHEAD=ahead, RES16=res16).get_function("rms_norm"),
@@ -113,12 +116,7 @@ def add_rms_norm(residual: cp.ndarray, delta: cp.ndarray, weight: cp.ndarray, ep
     res16 = _res16(residual, out, "residual")
     quant_out, q_args = quant_out_args(quant, rows, hidden)
     if rows_kernel(rows, hidden, res16, parts):
-        mod = module("rmsnorm", USE_BF16=use_bf16(out), QUANT_OUT=quant_out, PROD=prod, RES16=res16,
-                     ROW_THREADS=ROW_THREADS, HIDDEN=hidden, ROW_SCALED=int(scales is not None),
-                     ROW_BIAS=int(bias is not None))
-        launch(mod.get_function("add_rms_norm_rows"), *row_group_grid(rows, ROW_THREADS),
-               (residual, delta, ptr_or_null(bias), weight, quant_out_target(out, quant, codes_only), i32(rows),
-                f32(eps), *scale_args(scales, rows, hidden), *q_args), pdl=pdl)
+        _rows(residual, delta, bias, weight, out, eps, scales, quant, codes_only, pdl)
     elif rows:
         threads, vec, ahead = _shape(rows, hidden)
         launch(module("rmsnorm", USE_BF16=use_bf16(out), QUANT_OUT=quant_out, NORM_VEC=vec, NORM_AHEAD=ahead,
@@ -126,6 +124,21 @@ def add_rms_norm(residual: cp.ndarray, delta: cp.ndarray, weight: cp.ndarray, ep
                (residual, delta, ptr_or_null(bias), weight, quant_out_target(out, quant, codes_only), i32(hidden),
                 f32(eps), *scale_args(scales, rows, hidden), *q_args, i64(stride), i32(parts)), pdl=pdl)
     return out
+
+
+def _rows(residual: cp.ndarray, delta: cp.ndarray | None, bias: cp.ndarray | None, weight: cp.ndarray,
+          out: cp.ndarray, eps: float, scales: tuple | None, quant: tuple | None, codes_only: bool,
+          pdl: bool = False) -> None:
+    """add_rms_norm_rows over a 16-bit residual stream's rows (rows_kernel); no delta: the stream
+    normed as stored, and not written (-DROW_DELTA=0)."""
+    rows, hidden = residual.shape
+    quant_out, q_args = quant_out_args(quant, rows, hidden)
+    mod = module("rmsnorm", USE_BF16=use_bf16(out), QUANT_OUT=quant_out, RES16=1, ROW_THREADS=ROW_THREADS,
+                 HIDDEN=hidden, ROW_SCALED=int(scales is not None), ROW_BIAS=int(bias is not None),
+                 ROW_DELTA=int(delta is not None), PROD=prod_kind(delta, "delta") if delta is not None else 0)
+    launch(mod.get_function("add_rms_norm_rows"), *row_group_grid(rows, ROW_THREADS),
+           (residual, ptr_or_null(delta), ptr_or_null(bias), weight, quant_out_target(out, quant, codes_only),
+            i32(rows), f32(eps), *scale_args(scales, rows, hidden), *q_args), pdl=pdl)
 
 
 def rows_kernel(rows: int, hidden: int, res16: int, parts: int) -> bool:

@@ -14,15 +14,13 @@
 // shared-memory matrix descriptor of a K-major tile of 128-byte rows, 128-byte swizzle: 8-row
 // groups 1,024 bytes apart; the tile starts on a 1,024-byte boundary, and a step of 32 bytes of K
 // within the row (k32 in e4m3, k16 in 16 bits) advances the start by 32 bytes. Element (r, c) of
-// such a tile, c counted in 16-byte chunks: smem_swizzle(r, c). Shared memory ends below 256 KB,
+// such a tile, c counted in 16-byte chunks: common.cuh's smem_swizzle(r, c). Shared memory ends below 256 KB,
 // so the address field (bits 0-13, address / 16) never carries: the descriptor of p + n (n a
 // multiple of 16) is smem_desc(p) + n / 16.
 __device__ __forceinline__ unsigned long long smem_desc(const void *p) {
     const unsigned long long addr = smem_addr(p);
     return ((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((1024ull >> 4) << 32) | (1ull << 62);
 }
-
-__device__ __forceinline__ int smem_swizzle(int r, int chunk) { return r * 128 + ((chunk ^ (r & 7)) << 4); }
 
 // orders this thread's plain shared-memory writes before the MMAs' (async proxy) reads of them;
 // then an mbarrier arrival hands them over

@@ -251,6 +251,51 @@ def test_bfloat16_prefill_norms_with_a_thread_group_a_row(tmp_path, quant, monke
     assert between.min() >= (0.999 if quant is None else 0.99)
 
 
+@pytest.mark.parametrize("step", ["prefill", "decode"])
+def test_residual_adds_in_the_products_epilogue_stay_close(tmp_path, step, monkeypatch):
+    """cuda_runner.ADD_IN_EPILOGUE (here o and down): a bfloat16 checkpoint's fp8 products add to
+    its 16-bit residual stream in cuBLASLt's epilogue, and the norms after them read the stream alone
+    (buckets made to qualify here: a ragged prefill of 152 rows; 24 decode rows replaying the
+    32-row bucket's graph, which gives the eager path's bits). As close to the NumPy runner as
+    the same runner with the products added by the norms."""
+    from engine.runner import cuda_runner as cr
+    from kernels_cuda import gemm, rmsnorm
+    path = build_tiny_model(tmp_path, "llama", seed=5, dtype="bfloat16", config=dict(
+        hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2))
+    model = load_model(str(path), with_tokenizer=False)
+    monkeypatch.setattr(rmsnorm, "ROW_THREADS", 32)
+    monkeypatch.setattr(cr, "EPILOGUE_SCALES_MIN_BUCKET", 32)
+    adds, scaled = [], cr.gemm_fp8_scaled
+
+    def counted(*args, **kwargs):
+        done = scaled(*args, **kwargs)
+        adds.append(done and kwargs.get("add", False))
+        return done
+
+    monkeypatch.setattr(cr, "gemm_fp8_scaled", counted)
+    cos = {}
+    for add in (False, True):
+        monkeypatch.setattr(cr, "ADD_IN_EPILOGUE", ("o", "down") if add else ())
+        adds.clear()
+        if step == "prefill":
+            ref_runner = NumpyRunner(model.config, model.weights, num_kv_slots=REGION * 3, max_model_len=REGION,
+                                     progress=False)
+            r = np.random.default_rng(3)
+            prefill = prefill_step([r.integers(0, VOCAB, n).tolist() for n in (5, 17, 130)])
+            gpu = cuda_runner(model, max_model_len=REGION, quantization="fp8")
+            assert gpu._epilogue_adds(152, "o") == gpu._epilogue_adds(152, "down") == add
+            cos[add] = cosines(gpu.forward(prefill, all_logits=True), ref_runner.forward(prefill, all_logits=True))
+        else:
+            cos[add] = decode_graph_against_eager(model, 24, quantization="fp8")
+        if any(bucket[0] == 32 for bucket in gemm._lt.unscalable):
+            pytest.skip("this cuBLASLt has no fp8 algorithm with outer-vector scales")
+        assert any(adds) == add  # o and down added in their epilogue, or not
+    print(f"{step}: min cosine to NumPy {cos[True].min():.5f} (added by the norms {cos[False].min():.5f}), "
+          f"mean {cos[True].mean():.5f} ({cos[False].mean():.5f})")
+    assert cos[True].min() >= cos[False].min() - 2e-3 and cos[True].mean() >= cos[False].mean() - 5e-4
+    assert cos[True].min() >= 0.99
+
+
 @pytest.mark.parametrize("quant,kv_dtype,dtype", [(None, "auto", "auto"), ("fp8", "fp8", "bfloat16")],
                          ids=["16bit", "fp8-bfloat16"])
 def test_prefill_rope_in_items_gives_the_same_logits(tmp_path, quant, kv_dtype, dtype, monkeypatch):

@@ -46,7 +46,7 @@ from kernels_cuda.gemm import (gemm, gemm_fp8, gemm_fp8_scaled, rows_bucket, tun
 from kernels_cuda.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from kernels_cuda.gemv import NormIn, gemv, gemv_rope, gemv_silu
 from kernels_cuda.quant import Fp8Matrix, Q8Matrix, quantize_matrix, quantize_rows
-from kernels_cuda.rmsnorm import add_rms_norm, rms_norm
+from kernels_cuda.rmsnorm import add_rms_norm, rms_norm, rows_kernel
 from kernels_cuda.rope import rope_kv_write
 from kernels_cuda.sampling import sample_tokens, token_logprobs
 
@@ -175,6 +175,15 @@ RESIDUAL_16 = True
 # (docs/performance.md, thirty-second session).
 EPILOGUE_SCALES = ("qkv", "o", "gate_up")
 EPILOGUE_SCALES_MIN_BUCKET = 1024
+# ... and in those steps of a bfloat16 model (its 16-bit residual stream, RESIDUAL_16), the products
+# named here add to the stream in cuBLASLt's epilogue (beta 1: gemm_fp8_scaled's add), so the norm
+# after each reads the stream alone (rmsnorm.rms_norm: add_rms_norm_rows without a delta), 3 bytes a
+# value instead of 7, and no delta is written and read back. Not with a bias. H200, 8B shape, a
+# product and its norm in graphs, us: 2,040 rows o 72.6 -> 67.0, down 192.2 -> 187.6; 1,024 rows
+# 34.0 -> 30.6 and 91.7 -> 88.1. In a whole mixed step (2,040 rows, eager, every kernel timed) the
+# norms gained 5 us each, o lost 1 us and down, scaled, 6 us, so down keeps its raw sums and its
+# add + RMSNorm (docs/performance.md, forty-seventh session).
+ADD_IN_EPILOGUE = ("o",)
 
 # --quantization fp8 with fast accumulation: whether the decode buckets' products also time
 # gemm_fp8.cu (wgmma, Hopper) against cuBLASLt at start and run it where it is faster
@@ -823,9 +832,7 @@ class CudaRunner:
         if n <= GEMV_MAX_ROWS:
             gemv(x, w, out, pdl=self._launch_pdl if pdl is None else pdl)
         elif isinstance(w, Fp8Matrix):
-            b = self.buffers
-            xq, x_scale = xq if xq is not None else quantize_rows(x, b.act_q[:x.size].reshape(x.shape),
-                                                                  b.act_scale[:n], pdl=self._launch_pdl)
+            xq, x_scale = xq if xq is not None else self._quantized(x)
             if (name in EPILOGUE_SCALES and rows_bucket(n) >= EPILOGUE_SCALES_MIN_BUCKET
                     and gemm_fp8_scaled(xq, x_scale, w, out, self.fp8_fast_accum)):
                 return None
@@ -834,6 +841,42 @@ class CudaRunner:
         else:
             gemm(x, w, out)
         return None
+
+    def _quantized(self, x: cp.ndarray) -> tuple[cp.ndarray, cp.ndarray]:
+        """x's rows as e4m3 codes and their scales (act_q, act_scale), for an fp8 product."""
+        b = self.buffers
+        return quantize_rows(x, b.act_q[:x.size].reshape(x.shape), b.act_scale[:x.shape[0]], pdl=self._launch_pdl)
+
+    def _epilogue_adds(self, n: int, name: str) -> bool:
+        """Whether the product `name` (o, down) of an n-row step adds to the residual stream in
+        cuBLASLt's epilogue (ADD_IN_EPILOGUE): fp8 products scaled there (EPILOGUE_SCALES'
+        buckets), a 16-bit stream (residual_16) of rows that the norms' row kernel takes."""
+        return (name in ADD_IN_EPILOGUE and self.quant_fp8 and self.residual_16 and n > GEMV_MAX_ROWS
+                and rows_bucket(n) >= EPILOGUE_SCALES_MIN_BUCKET and rows_kernel(n, self.config.hidden_size, 1, 1))
+
+    def _residual_linear(self, x: cp.ndarray, w, res: cp.ndarray, out: cp.ndarray, name: str,
+                         xq: tuple | None = None, pdl: bool | None = None,
+                         bias: cp.ndarray | None = None) -> tuple[tuple | None, cp.ndarray | None]:
+        """The product `name` (o, down) of x that the residual stream res takes next: added to res
+        in cuBLASLt's epilogue where _epilogue_adds and no bias (returns (None, None): nothing
+        left to add), else _linear's into out (returns its scales and out)."""
+        if bias is None and self._epilogue_adds(x.shape[0], name):
+            xq = xq if xq is not None else self._quantized(x)
+            if gemm_fp8_scaled(*xq, w, res, self.fp8_fast_accum, add=True):
+                return None, None
+        return self._linear(x, w, out, pdl=pdl, xq=xq, name=name), out
+
+    def _norm(self, res: cp.ndarray, delta: cp.ndarray | None, weight: cp.ndarray, out: cp.ndarray,
+              scales: tuple | None = None, bias: cp.ndarray | None = None, quant: tuple | None = None) -> None:
+        """res += delta (+ bias) and out = RMSNorm(res) (add_rms_norm); delta None (a product added
+        in its epilogue, _residual_linear): the norm of res alone. quant: as add_rms_norm's, the
+        codes only."""
+        eps, pdl = self.config.rms_norm_eps, self._launch_pdl
+        if delta is None:
+            rms_norm(res, weight, eps, out=out, pdl=pdl, quant=quant, codes_only=quant is not None)
+        else:
+            add_rms_norm(res, delta, weight, eps, out=out, bias=bias, pdl=pdl, scales=scales, quant=quant,
+                         codes_only=quant is not None)
 
     @property
     def prod_dtype(self) -> np.dtype:
@@ -932,11 +975,11 @@ class CudaRunner:
         the normed rows and SiLU * up go to them as codes only (_quant_in). Returns (those
         scales, the residual stream's buffer: embed_out, or res_alt where _fold_norms or
         _mlp_block left it there, and the last down product to add to it: down_out, or
-        down_parts where _mlp_block). front_of_last: stop where the last layer's attention
-        would run (its q rotated, its K/V written), returning (None, the residual stream, None):
-        _sampled_tail takes it on from there for the rows that sample."""
+        down_parts where _mlp_block, or None where its epilogue added it: _residual_linear).
+        front_of_last: stop where the last layer's attention would run (its q rotated, its K/V
+        written), returning (None, the residual stream, None): _sampled_tail takes it on from
+        there for the rows that sample."""
         cfg, b, w = self.config, self.buffers, self.weights
-        eps = cfg.rms_norm_eps
         fused, fold = self._fused(n), self._fold_norms(n)
         positions, k_ptrs, v_ptrs = rope
         down_scales = None
@@ -955,12 +998,8 @@ class CudaRunner:
             norm = None
             if fold:
                 norm = self._folded(res, last_down, layer.input_layernorm)
-            elif i == 0:
-                rms_norm(res[0], layer.input_layernorm, eps, out=b.norm_out[:n], pdl=self._launch_pdl,
-                         quant=normed_q, codes_only=True)
-            else:
-                add_rms_norm(res[0], last_down, layer.input_layernorm, eps, out=b.norm_out[:n],
-                             pdl=self._launch_pdl, scales=down_scales, quant=normed_q, codes_only=True)
+            else:  # layer 0, and a down product added in its epilogue: no delta
+                self._norm(res[0], last_down, layer.input_layernorm, b.norm_out[:n], down_scales, quant=normed_q)
             offset = i * self._layer_elems
             rope_in = (positions, self.rope_cos, self.rope_sin, k_ptrs, v_ptrs, offset, cfg.num_heads, cfg.num_kv_heads)
             if fused:
@@ -999,7 +1038,8 @@ class CudaRunner:
         (product, scales), where the attention made it), the residual add and post-attention
         norm, gate/up, SiLU * up and down (or _mlp_block's kernel for all of it). res: the
         residual stream's buffers, as _layers keeps them. Returns the down product's scales
-        (see _linear) and the down product, not yet added to the stream."""
+        (see _linear) and the down product, not yet added to the stream (None, None where its
+        epilogue added it: _residual_linear)."""
         cfg, b, layer = self.config, self.buffers, self.weights.layers[i]
         pdl = self._launch_pdl
         if o is None:
@@ -1011,16 +1051,15 @@ class CudaRunner:
                                            self._mlp_down(i), down, pdl=pdl)
                 res.reverse()
                 return None, down
-            o_out = self._product("o", n)
-            scales = self._linear(attn, layer.o_proj, o_out, pdl=pdl and attn.nbytes <= O_PROJ_PDL_MAX_INPUT, name="o")
+            scales, o_out = self._residual_linear(attn, layer.o_proj, res[0], self._product("o", n), "o",
+                                                  pdl=pdl and attn.nbytes <= O_PROJ_PDL_MAX_INPUT, bias=layer.o_bias)
         else:
             o_out, scales = o
         norm, norm_q = None, self._quant_in(n, cfg.hidden_size)
         if self._fold_norms(n):
             norm = self._folded(res, o_out, layer.post_attention_layernorm, layer.o_bias)
         else:
-            add_rms_norm(res[0], o_out, layer.post_attention_layernorm, cfg.rms_norm_eps, out=b.norm_out[:n],
-                         bias=layer.o_bias, pdl=pdl, scales=scales, quant=norm_q, codes_only=True)
+            self._norm(res[0], o_out, layer.post_attention_layernorm, b.norm_out[:n], scales, layer.o_bias, norm_q)
         act_q = self._quant_in(n, cfg.intermediate_size)
         if self._fused(n):
             gemv_silu(b.norm_out[:n], layer.gate_up_proj, b.mlp_act[:n], pdl=pdl, norm=norm)
@@ -1028,8 +1067,8 @@ class CudaRunner:
             gate_up = self._product("gate_up", n)
             scales = self._linear(b.norm_out[:n], layer.gate_up_proj, gate_up, xq=norm_q, name="gate_up")
             silu_mul(gate_up, out=b.mlp_act[:n], pdl=pdl, scales=scales, quant=act_q, codes_only=True)
-        down = self._product("down", n)
-        return self._linear(b.mlp_act[:n], layer.down_proj, down, xq=act_q, name="down"), down
+        return self._residual_linear(b.mlp_act[:n], layer.down_proj, res[0], self._product("down", n), "down",
+                                     xq=act_q)
 
     def _layer_block(self, n: int, i: int, layer, res: list, rope: tuple, kv_lens: cp.ndarray,
                      fold: bool) -> None:
@@ -1049,8 +1088,7 @@ class CudaRunner:
         if fold:
             norm = self._folded(res, parts, layer.post_attention_layernorm, layer.o_bias)
         else:
-            add_rms_norm(res[0], parts, layer.post_attention_layernorm, cfg.rms_norm_eps, out=b.norm_out[:n],
-                         bias=layer.o_bias, pdl=pdl)
+            self._norm(res[0], parts, layer.post_attention_layernorm, b.norm_out[:n], bias=layer.o_bias)
         gemv_silu(b.norm_out[:n], layer.gate_up_proj, b.mlp_act[:n], pdl=pdl, norm=norm)
         self._linear(b.mlp_act[:n], layer.down_proj, b.down_out[:n])
 
@@ -1087,7 +1125,7 @@ class CudaRunner:
         """One decode step for n rows (a bucket): no host work, no branches on data. side: its
         inputs read from that host side first (StagedInputs.stage_in; the decode graphs), else
         as uploaded before it."""
-        cfg, b, w = self.config, self.buffers, self.weights
+        b, w = self.buffers, self.weights
         if side is not None:
             b.inputs.stage_in(side, "banned_n")
         d = b.inputs.dev
@@ -1102,8 +1140,7 @@ class CudaRunner:
                                                     attention, kv_lens=d["kv_lens"][:n])
         # the final norm is a kernel of its own even where _fold_norms: the LM head has the most
         # blocks, each of which would norm the row again (H200, SmolLM2 B=1 graph 0.404 -> 0.400 ms)
-        add_rms_norm(residual, delta, w.norm, cfg.rms_norm_eps, out=b.final_norm_out[:n],
-                     pdl=self._launch_pdl, scales=down_scales)
+        self._norm(residual, delta, w.norm, b.final_norm_out[:n], down_scales)
         self._linear(b.final_norm_out[:n], self._lm_head(n), b.logits[:n])
         self._sample(n)
 
@@ -1238,7 +1275,7 @@ class CudaRunner:
         embedding, the layers (attention(offset) for each layer's attention), the final norm.
         sampled: where nonzero, the last layer from its attention on takes only the rows that
         sample, this many (_sampled_tail: final_norm_out)."""
-        cfg, b, w = self.config, self.buffers, self.weights
+        b, w = self.buffers, self.weights
         d = b.ragged.dev
         embedding(d["tok_ids"][:n], w.embed_tokens, self._residual(n), pdl=self._launch_pdl, src=d["tok_src"][:n],
                   sampled=b.sampled)
@@ -1247,8 +1284,7 @@ class CudaRunner:
         if sampled:
             self._sampled_tail(residual, n, sampled)
             return
-        add_rms_norm(residual, delta, w.norm, cfg.rms_norm_eps, out=b.norm_out[:n], scales=down_scales,
-                     pdl=self._launch_pdl)
+        self._norm(residual, delta, w.norm, b.norm_out[:n], down_scales)
 
     def _takes_sampled_tail(self, T: int, n: int, prompt_logprobs: bool) -> bool:
         """Whether a ragged step of T tokens, n of whose rows sample, runs its last layer past
@@ -1275,8 +1311,7 @@ class CudaRunner:
         self._mark_near_end(offset)
         self._decode_attention(n, b.q_last[:n], d["last_k"][:n], d["last_v"][:n], d["last_len"][:n], offset)
         down_scales, delta = self._layer_back(n, last, res)
-        add_rms_norm(res[0], delta, self.weights.norm, cfg.rms_norm_eps, out=b.final_norm_out[:n], scales=down_scales,
-                     pdl=self._launch_pdl)
+        self._norm(res[0], delta, self.weights.norm, b.final_norm_out[:n], down_scales)
 
     def _gather_sampled(self, residual: cp.ndarray, T: int, n: int) -> cp.ndarray:
         """The residual rows (of `residual`, T rows) and rotated q of a ragged step's n rows that
