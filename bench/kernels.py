@@ -535,8 +535,8 @@ def mixed_table(shape_name: str, decodes: int, context: int, prompts: int, promp
     del runner
     cp.get_default_memory_pool().free_all_blocks()
     med = {name: statistics.median(v[2:] if len(v) > 2 else v) for name, v in times.items()}
-    out = [(f"mixed step {shape_name} {dtype} w={quantization or '16'} kv={kv_dtype}: {decodes} decode rows at {context} "
-            f"keys + {prompts} prompts x {prompt_len} = {rows} rows{' (eager)' if eager else ''}: "
+    out = [(f"mixed step {shape_name} {dtype} w={quantization or '16'} kv={kv_dtype}: {decodes} decode rows at "
+            f"{context} keys + {prompts} prompts x {prompt_len} = {rows} rows{' (eager)' if eager else ''}: "
             f"{med.pop('step'):.3f} ms")]
     for name, ms in sorted(med.items(), key=lambda kv: -kv[1]):
         out.append(f"  {name:24s} {ms:8.3f} ms")

@@ -82,7 +82,8 @@ def rms_norm(x: cp.ndarray, weight: cp.ndarray, eps: float, out: cp.ndarray | No
     res16 = _res16(x, out, "x")
     quant_out, q_args = quant_out_args(quant, rows, hidden)
     if rows_kernel(rows, hidden, res16, 1):  # a 16-bit residual stream of many rows: normed as stored
-        _rows(x, None, None, weight, out, eps, None, quant, codes_only, pdl)
+        _rows(x, None, 0, None, weight, out, eps, None, (quant_out, q_args), quant_out_target(out, quant, codes_only),
+              pdl)
     elif rows:
         threads, vec, ahead = _shape(rows, hidden)
         launch(module("rmsnorm", USE_BF16=use_bf16(out), QUANT_OUT=quant_out, NORM_VEC=vec,
@@ -116,7 +117,8 @@ def add_rms_norm(residual: cp.ndarray, delta: cp.ndarray, weight: cp.ndarray, ep
     res16 = _res16(residual, out, "residual")
     quant_out, q_args = quant_out_args(quant, rows, hidden)
     if rows_kernel(rows, hidden, res16, parts):
-        _rows(residual, delta, bias, weight, out, eps, scales, quant, codes_only, pdl)
+        _rows(residual, delta, prod, bias, weight, out, eps, scales, (quant_out, q_args),
+              quant_out_target(out, quant, codes_only), pdl)
     elif rows:
         threads, vec, ahead = _shape(rows, hidden)
         launch(module("rmsnorm", USE_BF16=use_bf16(out), QUANT_OUT=quant_out, NORM_VEC=vec, NORM_AHEAD=ahead,
@@ -126,19 +128,19 @@ def add_rms_norm(residual: cp.ndarray, delta: cp.ndarray, weight: cp.ndarray, ep
     return out
 
 
-def _rows(residual: cp.ndarray, delta: cp.ndarray | None, bias: cp.ndarray | None, weight: cp.ndarray,
-          out: cp.ndarray, eps: float, scales: tuple | None, quant: tuple | None, codes_only: bool,
-          pdl: bool = False) -> None:
-    """add_rms_norm_rows over a 16-bit residual stream's rows (rows_kernel); no delta: the stream
-    normed as stored, and not written (-DROW_DELTA=0)."""
+def _rows(residual: cp.ndarray, delta: cp.ndarray | None, prod: int, bias: cp.ndarray | None, weight: cp.ndarray,
+          out: cp.ndarray, eps: float, scales: tuple | None, quant_q: tuple, target, pdl: bool) -> None:
+    """add_rms_norm_rows over a 16-bit residual stream's rows (rows_kernel), with its caller's
+    checked arguments: prod (-DPROD of delta), quant_q (quant_out_args'), target (the output,
+    quant_out_target's); no delta: the stream normed as stored, and not written (-DROW_DELTA=0)."""
     rows, hidden = residual.shape
-    quant_out, q_args = quant_out_args(quant, rows, hidden)
+    quant_out, q_args = quant_q
     mod = module("rmsnorm", USE_BF16=use_bf16(out), QUANT_OUT=quant_out, RES16=1, ROW_THREADS=ROW_THREADS,
                  HIDDEN=hidden, ROW_SCALED=int(scales is not None), ROW_BIAS=int(bias is not None),
-                 ROW_DELTA=int(delta is not None), PROD=prod_kind(delta, "delta") if delta is not None else 0)
+                 ROW_DELTA=int(delta is not None), PROD=prod)
     launch(mod.get_function("add_rms_norm_rows"), *row_group_grid(rows, ROW_THREADS),
-           (residual, ptr_or_null(delta), ptr_or_null(bias), weight, quant_out_target(out, quant, codes_only),
-            i32(rows), f32(eps), *scale_args(scales, rows, hidden), *q_args), pdl=pdl)
+           (residual, ptr_or_null(delta), ptr_or_null(bias), weight, target, i32(rows), f32(eps),
+            *scale_args(scales, rows, hidden), *q_args), pdl=pdl)
 
 
 def rows_kernel(rows: int, hidden: int, res16: int, parts: int) -> bool:
