@@ -73,10 +73,11 @@
 #include "wgmma.cuh"
 #endif
 #define WARPS 4
-// -DBUFS (2 or 4): K/V tile buffers in shared memory; a tile is asked for once the buffer it
-// takes is free, BUFS - 1 tiles ahead of the one being used. 4 for a launch of one wave with
-// PDL (flash_decode.py): a short row (up to 256 keys, one split) then has every tile asked for
-// before the wait.
+// -DBUFS (2 to 4): K/V tile buffers in shared memory; a tile is asked for once the buffer it
+// takes is free, BUFS - 1 tiles ahead of the one being used, and a tile's wait leaves the tiles
+// after it in flight. 4 for a launch of one wave with PDL (flash_decode.py): a short row (up to
+// 256 keys, one split) then has every tile asked for before the wait. 3 for whole rows in at most
+// two waves of blocks (flash_decode.buffers).
 #ifndef BUFS
 #define BUFS 2
 #endif
@@ -87,7 +88,7 @@
 #ifndef AHEAD
 #define AHEAD 1
 #endif
-static_assert(BUFS == 2 || BUFS == 4, "BUFS: 2 or 4");
+static_assert(BUFS >= 2 && BUFS <= 4, "BUFS: 2 to 4");
 static_assert(AHEAD == BUFS || (AHEAD == 1 && BUFS == 2), "AHEAD: BUFS, or 1 with 2 buffers");
 #define KEYS 64                 // keys per tile, 16 per warp
 #define LDS (HEAD_DIM + 8)      // shared row stride (elements), as in flash_prefill
@@ -534,7 +535,7 @@ __device__ __forceinline__ void decode_split(
         // the buffer of tile t - 1 is free (the barrier that ended its pass): tile t + BUFS - 1 takes it
         if (t + BUFS - 1 < n_tiles && t + BUFS - 1 >= ahead) load_kv(t + BUFS - 1, -1);
         cp_async_commit();
-        cp_async_wait<1>();  // tile t has landed
+        cp_async_wait<BUFS - 1>();  // tile t has landed; the BUFS - 2 tiles after it may still be on their way
 #if QK_WGMMA
         fence_proxy_async();  // this thread's copies, before the MMAs read them
 #endif

@@ -29,6 +29,8 @@ VARIANTS = {"flash_decode": [{"HEAD_DIM": 64, "GROUP": 3}, {"HEAD_DIM": 128, "GR
                              {"HEAD_DIM": 128, "GROUP": 4, "KV_FP8": 1, "SWAP": 1, "MIN_BLOCKS": 4},
                              {"HEAD_DIM": 128, "GROUP": 4, "KV_FP8": 1, "SWAP": 1, "MIN_BLOCKS": 4, "QK_WGMMA": 1,
                               "BUFS": 4, "AHEAD": 4},
+                             {"HEAD_DIM": 128, "GROUP": 4, "KV_FP8": 1, "SWAP": 1, "MIN_BLOCKS": 4, "QK_WGMMA": 1,
+                              "BUFS": 3, "AHEAD": 3},
                              {"HEAD_DIM": 128, "GROUP": 16, "KV_FP8": 1}],
             "flash_prefill": [{"HEAD_DIM": 64}, {"HEAD_DIM": 128}, {"HEAD_DIM": 128, "KV_FP8": 1},
                               {"HEAD_DIM": 128, "KV_FP8": 1, "HEADS": 2}, {"HEAD_DIM": 64, "HEADS": 4}],

@@ -1225,6 +1225,18 @@ def kv_cache_rows(kv8: bool, rows: int, region: int, kv_heads: int, head_dim: in
     return kv, kp, kp + rows * row_bytes, pool
 
 
+def test_flash_decode_buffers_by_grid(monkeypatch):
+    """flash_decode.buffers on 132 SMs (H200), 8B fp8 heads: 2 without PDL; 4 where the blocks fit
+    the SMs at once; 3 for whole rows of q K^T on wgmma in up to two waves of four blocks an SM
+    (64-128 rows of 8 KV heads), where three were measured faster; 2 past that (160 rows were
+    slower with 3) and for rows in several splits or the other forms."""
+    import kernels_cuda.flash_decode as fd
+    monkeypatch.setattr(fd, "sm_count", lambda: 132)
+    pick = lambda rows, splits, pdl=True, wgmma=True: fd.buffers(rows * 8 * splits, pdl, 128, True, 4, wgmma, splits)
+    assert [pick(r, 1) for r in (1, 16, 64, 96, 128, 132, 160, 256)] == [4, 4, 3, 3, 3, 3, 2, 2]
+    assert [pick(64, 1, pdl=False), pick(32, 4), pick(128, 1, wgmma=False)] == [2, 2, 2]
+
+
 @pytest.mark.parametrize("kv8", [False, True], ids=["kv16", "kv8"])
 @pytest.mark.parametrize("splits,chunk,window,heads,min_blocks,whole,short", [
     (6, 128, 0, (8, 2), 1, 0, 0), (2, 128, 0, (8, 2), 1, 0, 0), (1, 256, 0, (8, 2), 1, 0, 0),
@@ -1245,8 +1257,8 @@ def test_flash_decode(kv8, splits, chunk, window, heads, min_blocks, whole, shor
     the window) take one split, which writes no partials; `short`: longer rows of at most that
     many keys take splits of 64 (1,000 keys in 16, 640 in 10). Head dims 64 (SmolLM2) and 128
     (the 8B shapes). Launched with programmatic dependent launch (sm_90), where it loads its
-    buffers' tiles before its wait instead of one tile, with two buffers and with four, it gives
-    the same bits."""
+    buffers' tiles before its wait instead of one tile, with two, three and four buffers (a tile's
+    wait leaving the ones after it in flight), it gives the same bits."""
     import kernels_cuda.flash_decode as fd
     from kernels_cuda._module import pdl_supported
     from kernels_cuda.flash_decode import flash_decode
@@ -1267,7 +1279,7 @@ def test_flash_decode(kv8, splits, chunk, window, heads, min_blocks, whole, shor
         flash_decode(q_dev, kp, vp, cp.asarray(lens), 0, KVH, part_o, part_ml, counters, out, scale, chunk=chunk,
                      window=window, kv_fp8=kv8, whole=whole, short=short)
     assert not counters.any()
-    for bufs in (2, 4) if pdl_supported() else ():  # with PDL: all buffers' tiles before the wait, the same bits
+    for bufs in (2, 3, 4) if pdl_supported() else ():  # with PDL: all buffers' tiles before the wait, the same bits
         monkeypatch.setattr(fd, "buffers", lambda *args, n=bufs: n)
         ahead = cp.full_like(out, np.nan)
         flash_decode(q_dev, kp, vp, cp.asarray(lens), 0, KVH, part_o, part_ml, counters, ahead, scale, chunk=chunk,
