@@ -53,7 +53,8 @@ def smem_bytes(head_dim: int, kv_fp8: bool = False, group: int = 16, bufs: int =
 
 
 DEEP_MAX_SMEM = 96 << 10  # four buffers only where a block's shared memory stays within this
-WHOLE_ROW_WAVES = 2  # three buffers for whole rows in grids of at most this many waves of four blocks an SM
+THREE_BUFS_MAX_WAVES = 2  # three buffers for q K^T on wgmma in grids of at most this many waves of four blocks an SM
+THREE_BUFS_MAX_SPLITS = 2  # ... whose rows take at most this many splits
 
 
 def buffers(blocks: int, pdl: bool, head_dim: int, kv_fp8: bool, group: int, wgmma: bool, splits: int) -> int:
@@ -64,19 +65,20 @@ def buffers(blocks: int, pdl: bool, head_dim: int, kv_fp8: bool, group: int, wgm
       at most DEEP_MAX_SMEM (not 16-bit K/V of 128-dim heads: 140 KB). H200, SmolLM2 shape, B=1
       decode graph at 160 keys (three tiles): 0.403 -> 0.395 ms, the attention 3.13 -> 2.93 us a
       layer; B=8 decode (32 + 128 tokens) +3 %; 8B fp8 B=1 at 128 + 64 tokens 364.1 -> 369.0 tok/s.
-    - 3 for q K^T on wgmma (`wgmma`, qk_wgmma) with each row in one split (`splits` 1) over at
-      most WHOLE_ROW_WAVES waves of four blocks an SM: two tiles in flight a block, not one,
-      where the last wave leaves SMs with fewer blocks. Four blocks an SM still fit (54 KB
-      each). H200, 8B shape, rows of 576-640 keys, us a launch, 2 -> 3 buffers: 64 rows 25.0 ->
-      21.1, 96 rows 40.2 -> 34.9, 128 rows 44.5 -> 41.1 (1,500 keys 104.3 -> 97.5); but 160 rows
-      51.2 -> 53.3, 192 rows 65.2 -> 60.0, 256 rows 79.6 -> 79.3, and 32 rows in 4 splits 19.5
-      -> 19.9.
+    - 3 for q K^T on wgmma (`wgmma`, qk_wgmma) with rows in at most THREE_BUFS_MAX_SPLITS splits
+      (`splits`, the grid's) over at most THREE_BUFS_MAX_WAVES waves of four blocks an SM: two
+      tiles in flight a block, not one, where the last wave leaves SMs with fewer blocks. Four
+      blocks an SM still fit (54 KB each). H200, 8B shape, rows of 576-640 keys, us a launch, 2
+      -> 3 buffers: one split, 64 rows 25.0 -> 21.1, 96 rows 40.2 -> 34.9, 128 rows 44.5 -> 41.1
+      (1,500 keys 104.3 -> 97.5); two splits, 32 rows 17.8 -> 15.7, 64 rows 31.0 -> 30.4 (2,000
+      keys 80.8 -> 77.7); but one split, 160 rows 51.2 -> 53.3 (past two waves; 192 rows 65.2 ->
+      60.0, 256 rows 79.6 -> 79.3), and 32 rows in 4 splits 19.5 -> 19.9.
     - else 2."""
     if not pdl:
         return 2
     if blocks <= sm_count() and smem_bytes(head_dim, kv_fp8, group, 4, wgmma) <= DEEP_MAX_SMEM:
         return 4
-    if wgmma and splits == 1 and blocks <= WHOLE_ROW_WAVES * 4 * sm_count():
+    if wgmma and splits <= THREE_BUFS_MAX_SPLITS and blocks <= THREE_BUFS_MAX_WAVES * 4 * sm_count():
         return 3
     return 2
 

@@ -1225,16 +1225,25 @@ def kv_cache_rows(kv8: bool, rows: int, region: int, kv_heads: int, head_dim: in
     return kv, kp, kp + rows * row_bytes, pool
 
 
-def test_flash_decode_buffers_by_grid(monkeypatch):
-    """flash_decode.buffers on 132 SMs (H200), 8B fp8 heads: 2 without PDL; 4 where the blocks fit
-    the SMs at once; 3 for whole rows of q K^T on wgmma in up to two waves of four blocks an SM
-    (64-128 rows of 8 KV heads), where three were measured faster; 2 past that (160 rows were
-    slower with 3) and for rows in several splits or the other forms."""
+def test_flash_decode_buffers_and_splits_by_grid(monkeypatch):
+    """On 132 SMs (H200), 8B fp8 heads (8 KV heads), where they were measured:
+    - flash_decode.buffers: 2 without PDL; 4 where the blocks fit the SMs at once; 3 for q K^T on
+      wgmma with rows in one or two splits over up to two waves of four blocks an SM (32-132
+      rows), where three were faster; 2 past that (160 rows of one split were slower with 3), for
+      rows in more splits and for the other forms;
+    - the runner's split plan: with q K^T on wgmma (two blocks an SM to fill) 32 rows take 2
+      splits and 64 rows 1, where the other forms' plan (four an SM) gives 3 and 2."""
     import kernels_cuda.flash_decode as fd
+    from engine.runner.cuda_runner import DECODE_BLOCKS_PER_SM, WGMMA_DECODE_BLOCKS_PER_SM, decode_split_plan
     monkeypatch.setattr(fd, "sm_count", lambda: 132)
     pick = lambda rows, splits, pdl=True, wgmma=True: fd.buffers(rows * 8 * splits, pdl, 128, True, 4, wgmma, splits)
     assert [pick(r, 1) for r in (1, 16, 64, 96, 128, 132, 160, 256)] == [4, 4, 3, 3, 3, 3, 2, 2]
+    assert [pick(32, 2), pick(64, 2), pick(66, 2), pick(67, 2), pick(32, 3)] == [3, 3, 3, 2, 2]
     assert [pick(64, 1, pdl=False), pick(32, 4), pick(128, 1, wgmma=False)] == [2, 2, 2]
+    splits = lambda rows, per_sm: decode_split_plan(rows, 8, 2048, 132, per_sm).splits
+    assert [splits(r, WGMMA_DECODE_BLOCKS_PER_SM) for r in (32, 64, 128, 256)] == [2, 1, 1, 1]
+    assert [splits(r, DECODE_BLOCKS_PER_SM) for r in (32, 64, 128, 256)] == [3, 2, 1, 1]
+    assert decode_split_plan(16, 8, 2048, 132, WGMMA_DECODE_BLOCKS_PER_SM) == decode_split_plan(16, 8, 2048, 132)
 
 
 @pytest.mark.parametrize("kv8", [False, True], ids=["kv16", "kv8"])

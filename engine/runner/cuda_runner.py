@@ -38,7 +38,7 @@ from kernels_cuda.activation import silu_mul
 from kernels_cuda.embedding import embedding, stage_in
 from kernels_cuda.flash_decode import KEYS as FLASH_KEYS
 from kernels_cuda.flash_decode import MAX_SPLITS as FLASH_MAX_SPLITS
-from kernels_cuda.flash_decode import flash_decode
+from kernels_cuda.flash_decode import flash_decode, qk_wgmma
 from kernels_cuda.flash_prefill import BLOCK_M as PREFILL_TILE
 from kernels_cuda.flash_prefill import flash_prefill, tiles
 from kernels_cuda.gemm import (gemm, gemm_fp8, gemm_fp8_scaled, rows_bucket, tune_gemm_fp8, tune_gemm_fp8_wgmma,
@@ -202,6 +202,12 @@ WHOLE_KEYS = 256
 SHORT_SPLITS = 12
 # flash-decode blocks an SM holds at once (its registers and shared memory)
 DECODE_BLOCKS_PER_SM = 4
+# ... and the blocks an SM that the split plan of a step of more than 16 rows fills where q K^T runs on
+# wgmma (flash_decode.qk_wgmma): its blocks, three tiles deep where they take a row in one or two splits
+# (flash_decode.buffers), keep the memory busy at two an SM, and fewer splits write fewer partials.
+# H200, 8B shape, fp8 K/V, rows of 576-640 keys, us a launch: 32 rows 3 splits 19.7 -> 2 splits 15.7
+# (one: 15.0); 64 rows 2 splits 31.0 -> 1 split 21.4 (2,000 keys: 80.8 -> 67.2).
+WGMMA_DECODE_BLOCKS_PER_SM = 2
 
 
 class SplitPlan(NamedTuple):
@@ -213,12 +219,14 @@ class SplitPlan(NamedTuple):
     short: int  # a longer row of at most this many keys takes splits of FLASH_KEYS (0: none)
 
 
-def decode_split_plan(rows: int, kv_heads: int, max_model_len: int, sms: int) -> SplitPlan:
+def decode_split_plan(rows: int, kv_heads: int, max_model_len: int, sms: int,
+                      per_sm: int = DECODE_BLOCKS_PER_SM) -> SplitPlan:
     """The flash-decode grid for a step of `rows` rows on `sms` SMs. Shortest split: 128 keys
     up to 16 rows, so that a short context still spreads over several blocks (B=1, 8 KV
     heads, 512 keys: 32 blocks rather than 16 of 256), 256 from 32 rows on. Splits: as many
-    as fill the GPU's resident blocks (DECODE_BLOCKS_PER_SM) once with rows x KV heads x splits, so a step of many rows, whose blocks
-    already fill it, takes each row in one or two long splits (fewer blocks, fewer partials
+    as fill the GPU's resident blocks (DECODE_BLOCKS_PER_SM; past 16 rows per_sm an SM, which
+    the runner lowers for q K^T on wgmma: WGMMA_DECODE_BLOCKS_PER_SM) once with rows x KV heads
+    x splits, so a step of many rows, whose blocks already fill it, takes each row in one or two long splits (fewer blocks, fewer partials
     to combine: H200, Llama-3-8B shape, 128 rows of 576 keys, one split against three of
     256: 88.5 vs 97.7 us a layer, fp8 K/V 71.6 vs 84.9); no more than the longest context
     needs, at most MAX_SPLITS (the kernel lengthens the splits of longer contexts). (H200
@@ -236,7 +244,7 @@ def decode_split_plan(rows: int, kv_heads: int, max_model_len: int, sms: int) ->
     were worse for SmolLM2 at 1,000 keys, 0.487 -> 0.490, hence 12).
     """
     shortest = 128 if rows <= 16 else 256
-    fill = -(-DECODE_BLOCKS_PER_SM * sms // (rows * kv_heads))
+    fill = -(-(DECODE_BLOCKS_PER_SM if rows <= 16 else per_sm) * sms // (rows * kv_heads))
     splits = max(1, min(FLASH_MAX_SPLITS, -(-max_model_len // shortest), fill))
     if rows > 16:
         return SplitPlan(shortest, splits, 0, 0)
@@ -545,8 +553,10 @@ class CudaRunner:
         self.max_tokens = max(sched.max_step_tokens, self.rows)
         # flash-decode split plan per graph bucket
         self.splits: dict[int, SplitPlan] = {}
+        wgmma = qk_wgmma(cfg.num_heads // cfg.num_kv_heads, self.kv_fp8, cfg.head_dim)
+        per_sm = WGMMA_DECODE_BLOCKS_PER_SM if wgmma else DECODE_BLOCKS_PER_SM
         for bucket in BUCKETS:
-            self.splits[bucket] = decode_split_plan(bucket, cfg.num_kv_heads, self.max_model_len, sm_count())
+            self.splits[bucket] = decode_split_plan(bucket, cfg.num_kv_heads, self.max_model_len, sm_count(), per_sm)
             if bucket >= self.rows:
                 break
         self.max_splits = max(plan.splits for plan in self.splits.values())
