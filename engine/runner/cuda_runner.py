@@ -226,9 +226,10 @@ def decode_split_plan(rows: int, kv_heads: int, max_model_len: int, sms: int,
     heads, 512 keys: 32 blocks rather than 16 of 256), 256 from 32 rows on. Splits: as many
     as fill the GPU's resident blocks (DECODE_BLOCKS_PER_SM; past 16 rows per_sm an SM, which
     the runner lowers for q K^T on wgmma: WGMMA_DECODE_BLOCKS_PER_SM) once with rows x KV heads
-    x splits, so a step of many rows, whose blocks already fill it, takes each row in one or two long splits (fewer blocks, fewer partials
-    to combine: H200, Llama-3-8B shape, 128 rows of 576 keys, one split against three of
-    256: 88.5 vs 97.7 us a layer, fp8 K/V 71.6 vs 84.9); no more than the longest context
+    x splits, so a step of many rows, whose blocks already fill it, takes each row in one or
+    two long splits (fewer blocks, fewer partials to combine: H200, Llama-3-8B shape, 128
+    rows of 576 keys, one split against three of 256: 88.5 vs 97.7 us a layer, fp8 K/V 71.6
+    vs 84.9); no more than the longest context
     needs, at most MAX_SPLITS (the kernel lengthens the splits of longer contexts). (H200
     decode graphs at B=1: 64-key splits were no better at 512 tokens and worse at 2,048.)
     Up to 16 rows, a row of at most WHOLE_KEYS keys still takes one split: its few serial
