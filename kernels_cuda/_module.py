@@ -309,10 +309,15 @@ def _cuda_driver() -> ctypes.CDLL:
     return _driver
 
 
+def sm90_or_newer() -> bool:
+    """Whether the current device has compute capability 9.0 (Hopper) or newer: programmatic
+    dependent launch, thread-block clusters, bulk copies on an mbarrier."""
+    return int(cp.cuda.Device().compute_capability) >= 90
+
+
 def pdl_supported() -> bool:
     """Programmatic dependent launch needs compute capability 9.0 (Hopper) or newer."""
-    major = cp.cuda.Device().compute_capability[0]
-    return int(major) >= 9
+    return sm90_or_newer()
 
 
 class ByValue:

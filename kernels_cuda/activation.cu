@@ -26,20 +26,12 @@
 #define SILU_BOUNDS
 #endif
 
-extern "C" __global__ void SILU_BOUNDS silu_mul(const prod_t *__restrict__ gate_up, scalar_t *__restrict__ out,
-                                                int inter, const float *__restrict__ rs, const float *__restrict__ cs,
-                                                unsigned char *__restrict__ q, float *__restrict__ q_scale) {
-    PDL_ENTER();
-    const long long t = blockIdx.x;
-    const prod_t *g = gate_up + t * 2 * inter;
-    const prod_t *u = g + inter;
-    scalar_t *o = out != nullptr ? out + t * inter : nullptr;
-    const int n8 = inter % 8 == 0 ? min(inter / 8, SILU_VEC * (int)blockDim.x) : 0;
-    auto tail = [&](int i) {  // one value past the 8-value groups
-        return from_float(silu_times(dequant(g[i], rs, cs, t, i), dequant(u[i], rs, cs, t, inter + i)));
-    };
-    vec8 held[SILU_VEC];
-    float m = 0.0f;  // largest |output| of this thread (as rounded to 16 bits)
+// The 8-value groups i = threadIdx.x + v * blockDim.x < n8 of row t that a thread takes, read
+// from g / u (global or shared memory): SiLU(gate) * up rounded to 16 bits into held (and to o[i]
+// where o is not null). Returns the thread's largest |value|.
+__device__ __forceinline__ float silu_groups(const prod_t *g, const prod_t *u, int inter, int n8, const float *rs,
+                                             const float *cs, long long t, vec8 held[SILU_VEC], scalar_t *o) {
+    float m = 0.0f;
 #pragma unroll
     for (int v = 0; v < SILU_VEC; v++) {
         const int i = threadIdx.x + v * blockDim.x;
@@ -57,6 +49,35 @@ extern "C" __global__ void SILU_BOUNDS silu_mul(const prod_t *__restrict__ gate_
         }
         if (o != nullptr) reinterpret_cast<vec8 *>(o)[i] = held[v];
     }
+    return m;
+}
+
+// held (silu_groups') as e4m3 codes of scale 1 / inv into the row's codes qr
+__device__ __forceinline__ void silu_codes(const vec8 held[SILU_VEC], int n8, float inv, unsigned char *qr) {
+#pragma unroll
+    for (int v = 0; v < SILU_VEC; v++) {
+        const int i = threadIdx.x + v * blockDim.x;
+        if (i >= n8) break;
+        float f[8];
+        vec8_to_float(held[v], f);
+        reinterpret_cast<uint2 *>(qr)[i] = fp8x8(f, inv);
+    }
+}
+
+extern "C" __global__ void SILU_BOUNDS silu_mul(const prod_t *__restrict__ gate_up, scalar_t *__restrict__ out,
+                                                int inter, const float *__restrict__ rs, const float *__restrict__ cs,
+                                                unsigned char *__restrict__ q, float *__restrict__ q_scale) {
+    PDL_ENTER();
+    const long long t = blockIdx.x;
+    const prod_t *g = gate_up + t * 2 * inter;
+    const prod_t *u = g + inter;
+    scalar_t *o = out != nullptr ? out + t * inter : nullptr;
+    const int n8 = inter % 8 == 0 ? min(inter / 8, SILU_VEC * (int)blockDim.x) : 0;
+    auto tail = [&](int i) {  // one value past the 8-value groups
+        return from_float(silu_times(dequant(g[i], rs, cs, t, i), dequant(u[i], rs, cs, t, inter + i)));
+    };
+    vec8 held[SILU_VEC];
+    float m = silu_groups(g, u, inter, n8, rs, cs, t, held, o);  // largest |output| (as rounded to 16 bits)
     for (int i = 8 * n8 + threadIdx.x; i < inter; i += blockDim.x) {
         const scalar_t v = tail(i);
         if (o != nullptr) o[i] = v;
@@ -66,15 +87,61 @@ extern "C" __global__ void SILU_BOUNDS silu_mul(const prod_t *__restrict__ gate_
     __shared__ float scratch[32];
     const float inv = quant_inv(m, q_scale + t, scratch);
     unsigned char *qr = q + t * inter;
-#pragma unroll
-    for (int v = 0; v < SILU_VEC; v++) {
-        const int i = threadIdx.x + v * blockDim.x;
-        if (i >= n8) break;
-        float f[8];
-        vec8_to_float(held[v], f);
-        reinterpret_cast<uint2 *>(qr)[i] = fp8x8(f, inv);
-    }
+    silu_codes(held, n8, inv, qr);
     for (int i = 8 * n8 + threadIdx.x; i < inter; i += blockDim.x)  // the value above, again
         qr[i] = fp8_from_float(to_float(tail(i)) * inv);
 #endif
 }
+
+// -DSILU_STAGES=n: silu_mul_bulk, for many rows of a 16-bit product (sm_90): a block per SM
+// (or a few) takes rows t = blockIdx.x, + gridDim.x, ... Each row [gate | up] comes into shared
+// memory as one bulk copy on an mbarrier, n rows ahead, so the next rows' bytes are in flight
+// while the block works out this one: the one-block-a-row kernel stops loading while its block
+// reduces and writes. Same arguments as silu_mul and rows; the same bits. Every group of a row
+// in a thread's registers (inter a multiple of 8, inter / 8 <= SILU_VEC * blockDim.x: the
+// Python side checks); dynamic shared memory n * 2 * inter * sizeof(prod_t).
+#ifdef SILU_STAGES
+#include "cluster.cuh"
+extern "C" __global__ void SILU_BOUNDS silu_mul_bulk(const prod_t *__restrict__ gate_up, scalar_t *__restrict__ out,
+                                                     int inter, const float *__restrict__ rs,
+                                                     const float *__restrict__ cs, unsigned char *__restrict__ q,
+                                                     float *__restrict__ q_scale, int rows) {
+    extern __shared__ __align__(128) unsigned char rows_in[];
+    __shared__ unsigned long long full[SILU_STAGES];
+    const unsigned row_bytes = 2u * inter * sizeof(prod_t);
+    const int n8 = inter / 8;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < SILU_STAGES; s++) mbar_init(&full[s]);
+    }
+    __syncthreads();
+    PDL_ENTER();
+    auto fetch = [&](long long t, int s) {  // thread 0: row t into stage s
+        if (t < rows) {
+            mbar_expect(&full[s], row_bytes);
+            bulk_copy(rows_in + s * row_bytes, gate_up + t * 2 * inter, row_bytes, &full[s]);
+        }
+    };
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < SILU_STAGES; s++) fetch(blockIdx.x + (long long)s * gridDim.x, s);
+    }
+    int k = 0;
+    for (long long t = blockIdx.x; t < rows; t += gridDim.x, k++) {
+        const int s = k % SILU_STAGES;
+        mbar_wait(&full[s], (k / SILU_STAGES) & 1);
+        const prod_t *g = reinterpret_cast<const prod_t *>(rows_in + s * row_bytes);
+        vec8 held[SILU_VEC];
+        const float m = silu_groups(g, g + inter, inter, n8, rs, cs, t, held, out != nullptr ? out + t * inter : nullptr);
+#if QUANT_OUT
+        __shared__ float scratch[32];
+        // block_max's barriers: every thread is past its reads of stage s before thread 0 refills it
+        const float inv = quant_inv(m, q_scale + t, scratch);
+        if (threadIdx.x == 0) fetch(t + (long long)SILU_STAGES * gridDim.x, s);
+        silu_codes(held, n8, inv, q + t * inter);
+#else
+        (void)m;
+        __syncthreads();  // every thread is past its reads of stage s
+        if (threadIdx.x == 0) fetch(t + (long long)SILU_STAGES * gridDim.x, s);
+#endif
+    }
+}
+#endif

@@ -9,7 +9,7 @@ import cupy as cp
 import numpy as np
 
 from ._module import (MAX_BLOCK_SMEM, align16, check, check_scalar, f32, function, i32, i64, launch, module,
-                      ptr_or_null, use_bf16)
+                      ptr_or_null, sm90_or_newer, use_bf16)
 from .gemv import NormIn
 from .rmsnorm import delta_parts
 from .rope import check_rope_args
@@ -34,7 +34,7 @@ def smem_bytes(hidden: int, head_dim: int, group: int, kv_fp8: bool) -> int:
 
 def device_supported() -> bool:
     """Thread-block clusters and distributed shared memory need compute capability 9.0."""
-    return int(cp.cuda.Device().compute_capability) >= 90
+    return sm90_or_newer()
 
 
 def supported(hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, kv_fp8: bool) -> bool:

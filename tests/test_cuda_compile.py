@@ -37,7 +37,9 @@ VARIANTS = {"flash_decode": [{"HEAD_DIM": 64, "GROUP": 3}, {"HEAD_DIM": 128, "GR
             "rope": [{"HEAD_DIM": 64}, {"HEAD_DIM": 128}, {"HEAD_DIM": 64, "KV_FP8": 1}, {"HEAD_DIM": 128, "PROD": 1},
                      {"HEAD_DIM": 128, "PROD": 2, "KV_FP8": 1}, {"HEAD_DIM": 36, "PROD": 2, "KV_FP8": 1},
                      {"HEAD_DIM": 128, "PROD": 2, "KV_FP8": 1, "ROPE_ITEMS": 2}, {"HEAD_DIM": 64, "ROPE_ITEMS": 1}],
-            "activation": [{}, {"PROD": 1}, {"PROD": 2}, {"PROD": 2, "QUANT_OUT": 1, "SILU_VEC": 7}],  # common.cuh
+            "activation": [{}, {"PROD": 1}, {"PROD": 2}, {"PROD": 2, "QUANT_OUT": 1, "SILU_VEC": 7},  # common.cuh
+                           {"PROD": 2, "QUANT_OUT": 1, "SILU_VEC": 4, "SILU_STAGES": 2},
+                           {"PROD": 1, "SILU_VEC": 5, "SILU_STAGES": 3}],
             "rmsnorm": [{}, {"QUANT_OUT": 1}, {"QUANT_OUT": 1, "NORM_VEC": 8}, {"QUANT_OUT": 1, "NORM_AHEAD": 1},
                         {"PROD": 1}, {"PROD": 2, "QUANT_OUT": 1, "NORM_AHEAD": 1},
                         {"PROD": 2, "QUANT_OUT": 1, "NORM_AHEAD": 1, "RES16": 1}, {"RES16": 1},

@@ -524,6 +524,43 @@ def test_silu_mul(dtype, inter, prod16):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [14336, 18944, 1000])  # two blocks an SM; one; a row short of a block's threads
+@pytest.mark.parametrize("quant", [False, True], ids=["out16", "codes"])
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "fp8sums"])
+def test_silu_mul_bulk_gives_the_row_kernels_bits(dtype, inter, quant, scaled, monkeypatch):
+    """Steps of many rows of a 16-bit product take silu_mul_bulk (rows into shared memory by bulk
+    copies, several rows a block, each stage's barrier through several phases): the bits of the
+    one-block-a-row kernel, 16-bit output and e4m3 codes and scales, raw float8 sums scaled too."""
+    from kernels_cuda import activation
+    from kernels_cuda._module import sm90_or_newer
+    if not sm90_or_newer():
+        pytest.skip("bulk copies need sm_90")
+    if scaled and dtype == "float16":
+        pytest.skip("float8 sums are written in bfloat16")
+    T = 1100
+    scalar = np.uint16 if dtype == "bfloat16" else np.float16
+    gate_up = to_dev(rng.standard_normal((T, 2 * inter)).astype(np.float32) * (3000 if scaled else 3), dtype)
+    gate_up[7] = 0  # a zero row: scale 1
+    scales = ((cp.asarray(rng.uniform(0.001, 0.01, T).astype(np.float32)),
+               cp.asarray(rng.uniform(0.001, 0.01, 2 * inter).astype(np.float32))) if scaled else None)
+    prod = 2 if dtype == "bfloat16" else 1
+    bulk = activation._bulk(T, inter, prod, {"USE_BF16": prod - 1, "PROD": prod, "QUANT_OUT": int(quant)})
+    assert bulk is not None and bulk[1] * activation.SILU_BULK_STAGES < T  # stages refilled, phases wrapping
+
+    def run():
+        q = (cp.full((T, inter), 0x55, np.uint8), cp.zeros(T, np.float32)) if quant else None
+        out = activation.silu_mul(gate_up, out_dtype=scalar, scales=scales, quant=q)
+        return [out, *q] if quant else [out]
+
+    got = run()
+    monkeypatch.setattr(activation, "SILU_BULK_MIN_ROWS", 1 << 30)
+    want = run()
+    assert got[0].any()
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(cp.asnumpy(a), cp.asnumpy(b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [36, 64, 128])  # 36: one pair a thread at a time, else four
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("kv8", [False, True], ids=["kv16", "kv8"])
