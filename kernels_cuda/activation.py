@@ -28,6 +28,9 @@ SILU_MIN_BLOCKS = 3
 SILU_BULK_MIN_ROWS = 256
 SILU_BULK_THREADS = 512
 SILU_BULK_STAGES = 2
+# the shared memory silu_mul_bulk may take (its own barriers and scratch aside): the attribute is
+# set to this once a kernel, since the rows' length (so its need) is a launch argument, not built in
+SILU_BULK_SMEM = MAX_BLOCK_SMEM - 1024
 
 
 def _shape(rows: int, inter: int) -> tuple[int, int]:
@@ -43,11 +46,10 @@ def _bulk(rows: int, inter: int, prod: int, defines: dict) -> tuple | None:
     whose groups do not fit the block's registers or whose stages do not fit shared memory)."""
     vec = -(-inter // (8 * SILU_BULK_THREADS))
     smem = SILU_BULK_STAGES * 2 * inter * (4 if prod == 0 else 2)
-    if (rows < SILU_BULK_MIN_ROWS or prod == 0 or inter % 8 or vec > 8 or smem > MAX_BLOCK_SMEM - 256  # its barriers
-            or not sm90_or_newer()):
+    if rows < SILU_BULK_MIN_ROWS or prod == 0 or inter % 8 or vec > 8 or smem > SILU_BULK_SMEM or not sm90_or_newer():
         return None
     kernel = function(module("activation", SILU_VEC=vec, SILU_STAGES=SILU_BULK_STAGES, **defines), "silu_mul_bulk",
-                      smem)
+                      SILU_BULK_SMEM)
     grid = min(rows, sm_count() * blocks_per_sm(kernel, SILU_BULK_THREADS, smem))
     return kernel, grid, SILU_BULK_THREADS, smem
 

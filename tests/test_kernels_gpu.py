@@ -560,6 +560,20 @@ def test_silu_mul_bulk_gives_the_row_kernels_bits(dtype, inter, quant, scaled, m
         np.testing.assert_array_equal(cp.asnumpy(a), cp.asnumpy(b))
 
 
+def test_silu_mul_bulk_rows_of_any_length_in_one_build():
+    """Rows of 512 and then of 4,096 values take the same build of silu_mul_bulk (one 8-value group
+    a thread) with 4 and 32 KB of shared memory: the second launch is allowed its larger share."""
+    from kernels_cuda.activation import silu_mul
+    from kernels_cuda._module import sm90_or_newer
+    if not sm90_or_newer():
+        pytest.skip("bulk copies need sm_90")
+    for inter in (512, 4096):
+        x = rng.standard_normal((300, 2 * inter)).astype(np.float32)
+        out = silu_mul(to_dev(x, "float16"), out_dtype=np.float16)
+        g, u = rounded(x[:, :inter], "float16"), rounded(x[:, inter:], "float16")
+        assert rel(from_dev(out), g / (1 + np.exp(-g)) * u) < tol("float16")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [36, 64, 128])  # 36: one pair a thread at a time, else four
 @pytest.mark.parametrize("with_bias", [False, True])
