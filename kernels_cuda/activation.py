@@ -25,6 +25,8 @@ SILU_MIN_BLOCKS = 3
 # SILU_BULK_STAGES rows ahead. H200, Llama-3-8B's 14,336, bfloat16 into e4m3 codes, graphs of 24
 # launches over three inputs (so from HBM), us a launch: 2,040 rows 48.5 -> 40.3 (3.0 -> 3.6 TB/s;
 # three stages, one block an SM: 39.4), 1,024 rows 25.5 -> 22.6, 256 rows 7.5 -> 7.1. Same bits.
+# In place it gains less: a mixed step's 32 (2,040 rows, eager, events) 1.718 -> 1.650 ms; a
+# 256-row decode graph's SiLU stage 40.0 us either way (docs/performance.md, forty-ninth session).
 SILU_BULK_MIN_ROWS = 256
 SILU_BULK_THREADS = 512
 SILU_BULK_STAGES = 2
