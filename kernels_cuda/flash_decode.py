@@ -12,6 +12,7 @@ from ._module import check, check_scalar, f32, function, i32, i64, launch, modul
 CHUNK_THREADS = 128
 MAX_SPLITS = 64  # flash_decode.cu's bound on the splits of one sequence
 KEYS = 64  # keys per shared-memory tile; a chunk is a multiple of it
+BLOCKS_PER_SM = 4  # blocks an SM holds at once in a grid of several waves (fp8 K/V: min_blocks' launch bounds)
 
 
 def min_blocks(blocks: int, head_dim: int, group: int, kv_fp8: bool) -> int:
@@ -19,7 +20,8 @@ def min_blocks(blocks: int, head_dim: int, group: int, kv_fp8: bool) -> int:
     an SM (128 registers a thread instead of ~160, no spills up to 128 dims and 8 heads a
     group); the conversions of fp8 tiles leave it latency-bound at three. Small grids keep
     the registers (their blocks are few, each on the critical path)."""
-    return 4 if kv_fp8 and head_dim <= 128 and group <= 8 and blocks >= 4 * sm_count() else 1
+    wide = kv_fp8 and head_dim <= 128 and group <= 8 and blocks >= BLOCKS_PER_SM * sm_count()
+    return BLOCKS_PER_SM if wide else 1
 
 
 def swapped(group: int, kv_fp8: bool) -> bool:
@@ -78,7 +80,7 @@ def buffers(blocks: int, pdl: bool, head_dim: int, kv_fp8: bool, group: int, wgm
         return 2
     if blocks <= sm_count() and smem_bytes(head_dim, kv_fp8, group, 4, wgmma) <= DEEP_MAX_SMEM:
         return 4
-    if wgmma and splits <= THREE_BUFS_MAX_SPLITS and blocks <= THREE_BUFS_MAX_WAVES * 4 * sm_count():
+    if wgmma and splits <= THREE_BUFS_MAX_SPLITS and blocks <= THREE_BUFS_MAX_WAVES * BLOCKS_PER_SM * sm_count():
         return 3
     return 2
 

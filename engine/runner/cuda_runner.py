@@ -36,6 +36,7 @@ from kernels_cuda import mlp_block as mlp_block_module
 from kernels_cuda._module import pdl_supported, sm_count
 from kernels_cuda.activation import silu_mul
 from kernels_cuda.embedding import embedding, stage_in
+from kernels_cuda.flash_decode import BLOCKS_PER_SM as FLASH_BLOCKS_PER_SM
 from kernels_cuda.flash_decode import KEYS as FLASH_KEYS
 from kernels_cuda.flash_decode import MAX_SPLITS as FLASH_MAX_SPLITS
 from kernels_cuda.flash_decode import flash_decode, qk_wgmma
@@ -201,7 +202,7 @@ WHOLE_KEYS = 256
 # step's blocks fit the SMs once (decode_split_plan).
 SHORT_SPLITS = 12
 # flash-decode blocks an SM holds at once (its registers and shared memory)
-DECODE_BLOCKS_PER_SM = 4
+DECODE_BLOCKS_PER_SM = FLASH_BLOCKS_PER_SM
 # ... and the blocks an SM that the split plan of a step of more than 16 rows fills where q K^T runs on
 # wgmma (flash_decode.qk_wgmma): its blocks, three tiles deep where they take a row in one or two splits
 # (flash_decode.buffers), keep the memory busy at two an SM, and fewer splits write fewer partials.
