@@ -42,16 +42,25 @@ def _shape(rows: int, inter: int) -> tuple[int, int]:
     return threads, max(1, min(8, -(-inter // (8 * threads))))
 
 
+_bulk_fits: dict[int, bool] = {}  # a build of silu_mul_bulk -> whether its registers allow SILU_BULK_THREADS
+
+
 def _bulk(rows: int, inter: int, prod: int, defines: dict) -> tuple | None:
     """silu_mul_bulk's (kernel, grid, threads, shared memory) for these rows, or None where the
     one-block-a-row kernel takes them (SILU_BULK_MIN_ROWS; a float32 product; not sm_90; a row
-    whose groups do not fit the block's registers or whose stages do not fit shared memory)."""
+    whose groups do not fit the block's registers or whose stages do not fit shared memory; a
+    build whose registers a thread leave too few for a block of SILU_BULK_THREADS)."""
     vec = -(-inter // (8 * SILU_BULK_THREADS))
     smem = SILU_BULK_STAGES * 2 * inter * (4 if prod == 0 else 2)
     if rows < SILU_BULK_MIN_ROWS or prod == 0 or inter % 8 or vec > 8 or smem > SILU_BULK_SMEM or not sm90_or_newer():
         return None
     kernel = function(module("activation", SILU_VEC=vec, SILU_STAGES=SILU_BULK_STAGES, **defines), "silu_mul_bulk",
                       SILU_BULK_SMEM)
+    fits = _bulk_fits.get(kernel.kernel.ptr)
+    if fits is None:  # H200, the 8B shape's build (4 groups a thread): 87 registers, blocks of up to 640
+        fits = _bulk_fits[kernel.kernel.ptr] = kernel.max_threads_per_block >= SILU_BULK_THREADS
+    if not fits:
+        return None
     grid = min(rows, sm_count() * blocks_per_sm(kernel, SILU_BULK_THREADS, smem))
     return kernel, grid, SILU_BULK_THREADS, smem
 
