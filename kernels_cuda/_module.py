@@ -309,10 +309,16 @@ def _cuda_driver() -> ctypes.CDLL:
     return _driver
 
 
+@functools.lru_cache(maxsize=None)
+def _sm90_or_newer(device: int) -> bool:
+    return int(cp.cuda.Device(device).compute_capability) >= 90
+
+
 def sm90_or_newer() -> bool:
     """Whether the current device has compute capability 9.0 (Hopper) or newer: programmatic
-    dependent launch, thread-block clusters, bulk copies on an mbarrier."""
-    return int(cp.cuda.Device().compute_capability) >= 90
+    dependent launch, thread-block clusters, bulk copies on an mbarrier (asked at launches:
+    once a device)."""
+    return _sm90_or_newer(cp.cuda.Device().id)
 
 
 def pdl_supported() -> bool:
