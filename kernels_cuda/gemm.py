@@ -148,6 +148,7 @@ class _Lt:
         # keys (M, N, K, out type, fast accumulation, scaled in the epilogue)
         self.plans: dict[tuple[int, int, int, int, bool, bool], tuple] = {}
         self.algos: dict[tuple[int, int, int, int, bool, bool], _HeuristicResult] = {}
+        self.tuned: dict[tuple[int, int, int, int, bool, bool], _HeuristicResult] = {}  # (choose) by exact rows
         self.unscalable: set[tuple] = set()  # buckets with no algorithm for epilogue scales
 
     @staticmethod
@@ -162,14 +163,15 @@ class _Lt:
     def plan(self, M: int, N: int, K: int, out_type: int, fast: bool, scaled: bool = False) -> tuple:
         """(descriptor, layouts, algorithm) of an (M, K) x (N, K)^T product into out_type, with
         fast accumulation or not, scaled in the epilogue or not (matmul's x_scale). The
-        algorithm comes from cuBLASLt's heuristic once per power-of-two bucket of M (a serving
-        step's token count changes from step to step, and a heuristic query costs ~ms)."""
+        algorithm is the one chosen for exactly M rows (choose), else comes from cuBLASLt's
+        heuristic once per power-of-two bucket of M (a serving step's token count changes from
+        step to step, and a heuristic query costs ~ms)."""
         key = (M, N, K, out_type, fast, scaled)
         plan = self.plans.get(key)
         if plan is None:
             desc, a, b, c = self._descriptors(M, N, K, out_type, fast, scaled)
             bucket = self._bucket(key)
-            algo = self.algos.get(bucket)
+            algo = self.tuned.get(key, self.algos.get(bucket))
             if algo is None:
                 algo = self.algos[bucket] = self._heuristic(desc, a, b, c, M, N, K)[0]
             plan = self.plans[key] = (desc, a, b, c, algo)
@@ -182,11 +184,17 @@ class _Lt:
         return (rows_bucket(M), *rest)
 
     def choose(self, M: int, N: int, K: int, out_type: int, fast: bool, algo: "_HeuristicResult") -> None:
-        """Use `algo` for every product of this shape in M's bucket (see tune_gemm_fp8)."""
-        bucket = self._bucket((M, N, K, out_type, fast, False))
-        self.algos[bucket] = algo
+        """Use `algo` for this shape's products of exactly M rows and, where M is its bucket's power
+        of two, for the bucket's other row counts that nothing was chosen for (see tune_gemm_fp8).
+        Decode graphs of 160, 192 and 224 rows each take their own: those tuned for 256 rows ran
+        them slower than the padded 256-row graph (docs/performance.md, fiftieth session)."""
+        exact = (M, N, K, out_type, fast, False)
+        self.tuned[exact] = algo
+        bucket = self._bucket(exact)
+        if bucket[0] == M:
+            self.algos[bucket] = algo
         for key, plan in self.plans.items():
-            if self._bucket(key) == bucket:
+            if key == exact or (bucket[0] == M and self._bucket(key) == bucket and key not in self.tuned):
                 self.plans[key] = (*plan[:4], algo)
 
     def exact(self, M: int, N: int, K: int, out_type: int, fast: bool, scaled: bool = False) -> tuple:
@@ -280,7 +288,7 @@ def gemm_fp8(xq: cp.ndarray, w: Fp8Matrix, out: cp.ndarray, fast_accum: bool = F
     if M == 0:
         return out
     if fast_accum and _wgmma_plans:
-        config = _wgmma_plans.get((rows_bucket(M), N, K, out_type))
+        config = _wgmma_plan(M, N, K, out_type)
         if config is not None:  # checked to fit this shape when it was chosen
             _launch_wgmma(xq, w, out, config, out_type, pdl)
             return out
@@ -350,9 +358,10 @@ def tune_gemm_fp8(xq: cp.ndarray, ws: list[Fp8Matrix], out: cp.ndarray, fast_acc
                   candidates: int = 8, reps: int = 3) -> tuple[list[float], int]:
     """Time the algorithms cuBLASLt's heuristic offers for xq @ w^T (gemm_fp8's product) over
     the matrices ws one after another, as a step runs them (a matrix of each layer: together
-    they do not fit in L2), and keep the fastest for products of this shape in xq's
-    power-of-two bucket of rows. The heuristic's first guess is often not the fastest for the
-    few rows of a decode step (H200, 8B down projection at 128 rows: 25.0 vs 22.8 us).
+    they do not fit in L2), and keep the fastest for this shape's products of xq's rows (and,
+    rows a power of two, of the others in their bucket: _Lt.choose). The heuristic's first
+    guess is often not the fastest for the few rows of a decode step (H200, 8B down projection
+    at 128 rows: 25.0 vs 22.8 us).
     xq should hold data (not zeros). Returns each candidate's microseconds a product (inf for
     one that does not run; the heuristic's order) and the index of the one now used (0: the
     heuristic's first choice). The fastest replaces the heuristic's first choice only when
@@ -382,7 +391,7 @@ def tune_gemm_fp8(xq: cp.ndarray, ws: list[Fp8Matrix], out: cp.ndarray, fast_acc
         times.append(sorted(runs)[len(runs) // 2])
     best = min(range(len(algos)), key=times.__getitem__)
     if not times[best] < (1.0 - TUNE_MIN_GAIN) * times[0]:
-        return times, 0
+        best = 0
     lt.choose(M, N, K, out_type, fast_accum, algos[best])
     return times, best
 
@@ -510,7 +519,14 @@ WGMMA_CANDIDATES = {
     128: [(128, 1, 1, 2, 4, 1, 2), (128, 2, 2, 1, 4, 1, 1), (128, 1, 1, 2, 9, 1, 1)],
     256: [(128, 1, 1, 1, 4, 1, 2), (128, 1, 1, 1, 9, 1, 1), (256, 1, 2, 1, 4, 1, 1), (256, 1, 2, 2, 5, 1, 1, 2)],
 }
-_wgmma_plans: dict[tuple[int, int, int, int], WgmmaConfig] = {}
+# (rows, N, K, out type) -> the configuration tune_gemm_fp8_wgmma chose, None where cuBLASLt won
+_wgmma_plans: dict[tuple[int, int, int, int], WgmmaConfig | None] = {}
+
+
+def _wgmma_plan(M: int, N: int, K: int, out_type: int) -> WgmmaConfig | None:
+    """The choice tuned for exactly M rows, else for M's power-of-two bucket (rows_bucket)."""
+    key = (M, N, K, out_type)
+    return _wgmma_plans[key] if key in _wgmma_plans else _wgmma_plans.get((rows_bucket(M), N, K, out_type))
 
 
 def _graph_us(launch_all, stream: cp.cuda.Stream, reps: int = 5) -> float:
@@ -538,18 +554,19 @@ def tune_gemm_fp8_wgmma(xq: cp.ndarray, ws: list[Fp8Matrix], out: cp.ndarray, st
                         pdl: bool = False) -> tuple[float, dict[WgmmaConfig, float], WgmmaConfig | None]:
     """Time gemm_fp8 with fast accumulation (cuBLASLt, as tuned) and gemm_fp8.cu's candidates for
     xq's bucket of rows (WGMMA_CANDIDATES) over the matrices ws, each as a captured graph, and
-    run this shape's products of that bucket on the fastest candidate from now on when it beats
-    cuBLASLt by TUNE_MIN_GAIN. xq should hold data (not zeros). Returns cuBLASLt's microseconds
+    run this shape's products of xq's rows (and, rows a power of two, of the others in their
+    bucket that were not tuned) on the fastest candidate from now on when it beats cuBLASLt by
+    TUNE_MIN_GAIN. xq should hold data (not zeros). Returns cuBLASLt's microseconds
     a product, each fitting candidate's, and the configuration now used (None: cuBLASLt)."""
     M, K = xq.shape
     N = ws[0].shape[0]
-    key = (rows_bucket(M), N, K, _out_type(out, (np.float32, np.uint16)))
-    _wgmma_plans.pop(key, None)
+    key = (M, N, K, _out_type(out, (np.float32, np.uint16)))
+    _wgmma_plans[key] = None  # cuBLASLt, as tuned, while it is timed
     per = len(ws)
     lt_us = _graph_us(lambda: [gemm_fp8(xq, w, out, True) for w in ws], stream) / per
     times = {}
     if wgmma_supported():
-        for fields in WGMMA_CANDIDATES.get(key[0], []):
+        for fields in WGMMA_CANDIDATES.get(rows_bucket(M), []):
             config = WgmmaConfig(*fields)
             if config.fits(M, N, K):
                 times[config] = _graph_us(lambda c=config: [gemm_fp8_wgmma(xq, w, out, c, pdl) for w in ws],

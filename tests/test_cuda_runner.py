@@ -337,7 +337,7 @@ def test_fp8_products_on_wgmma_in_the_decode_graph(tmp_path, monkeypatch):
     model = load_model(str(path), with_tokenizer=False)
     cos = decode_graph_against_eager(model, 24, quantization="fp8")
     shapes = {(512, 256), (256, 256), (1024, 256), (256, 512)}  # qkv, o, gate/up, down: (N, K)
-    assert {(n, k) for m, n, k, _ in G._wgmma_plans if m == 32} == shapes
+    assert {(n, k) for (m, n, k, _), c in G._wgmma_plans.items() if m == 32 and c is not None} == shapes
     print(f"fp8 products on wgmma, 24 decode rows: min cosine {cos.min():.5f}, mean {cos.mean():.5f}")
     assert cos.mean() >= 0.99 and cos.min() >= 0.95
 

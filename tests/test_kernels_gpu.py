@@ -1608,6 +1608,39 @@ def test_tuned_wgmma_product_serves_gemm_fp8(monkeypatch):
     G.gemm_fp8(xq, ws[1], cp.zeros((64, N), np.uint16), fast_accum=False)
 
 
+def test_tuned_fp8_choices_by_exact_rows(monkeypatch):
+    """A choice made for exactly M rows (gemm._Lt.choose, gemm._wgmma_plans) stays M's: the 64-row
+    bucket's choice, made after one for 48 rows, does not replace it, and serves the bucket's row
+    counts that nothing was chosen for (40, and 56 planned later), as a 200-row ragged step takes
+    the 256-row graph's while the 160-224-row graphs keep their own. Each product still runs."""
+    from kernels_cuda import gemm as G
+    from kernels_cuda.quant import Fp8Matrix
+    lt = G._lt_handle()
+    K, N, f32 = 1024, 768, G.CUDA_R_32F
+    w = Fp8Matrix(cp.asarray(random_codes((N, K))), cp.ones(N, np.float32))
+    xq = cp.asarray(random_codes((64, K)))
+    for M in (40, 48, 64):
+        G.gemm_fp8(xq[:M], w, cp.zeros((M, N), np.float32), True)
+    plan = lt.plans[(64, N, K, f32, True, False)]
+    candidates = lt._heuristic(*plan[:4], 64, N, K, count=8)
+    if len({bytes(c) for c in candidates}) < 2:
+        pytest.skip("cuBLASLt offers one algorithm for this shape")
+    mine, bucket = candidates[0], next(c for c in candidates if bytes(c) != bytes(candidates[0]))
+    monkeypatch.setattr(lt, "tuned", {})
+    monkeypatch.setattr(lt, "algos", dict(lt.algos))
+    lt.choose(48, N, K, f32, True, mine)
+    lt.choose(64, N, K, f32, True, bucket)
+    G.gemm_fp8(xq[:56], w, cp.zeros((56, N), np.float32), True)
+    algo = {M: bytes(lt.plans[(M, N, K, f32, True, False)][4]) for M in (40, 48, 56, 64)}
+    assert algo == {40: bytes(bucket), 48: bytes(mine), 56: bytes(bucket), 64: bytes(bucket)}
+    for M in (40, 48, 56, 64):
+        got = cp.asnumpy(G.gemm_fp8(xq[:M], w, cp.zeros((M, N), np.float32), True))
+        assert np.isfinite(got).all() and np.abs(got).max() > 0
+    config = G.WgmmaConfig()
+    monkeypatch.setattr(G, "_wgmma_plans", {(64, N, K, f32): config, (48, N, K, f32): None})
+    assert [G._wgmma_plan(M, N, K, f32) for M in (40, 48, 64)] == [config, None, config]
+
+
 @pytest.mark.parametrize("fast", [False, True])
 def test_tuned_fp8_product_algorithm(monkeypatch, fast):
     """tune_gemm_fp8 times the heuristic's algorithms over several matrices and keeps the

@@ -63,7 +63,23 @@ from .packing import ModelWeights, pack_model
 
 log = logging.getLogger("cuserve.cuda")
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+def graph_buckets(largest: int = 1024, fine_from: int = 128) -> tuple[int, ...]:
+    """The row counts decode graphs are captured for (a step runs the smallest that holds its
+    rows, the rest padding): powers of two up to `fine_from`, then four a doubling (128, 160, 192,
+    224, 256, 320, ...). A step's products, LM head and row-wise kernels run on all of its
+    bucket's rows, which from ~128 rows of the 8B shape on cost more with each row: with powers of
+    two alone a step of 129-255 rows ran the 256-row graph (docs/performance.md, fiftieth
+    session). Each graph's fp8 products are tuned for its rows (_tune_products), so each bucket
+    costs start-up time."""
+    out, p = [], 1
+    while p <= largest:
+        out.extend(m for m in ((p,) if p < fine_from else (p, p * 5 // 4, p * 3 // 2, p * 7 // 4)) if m <= largest)
+        p *= 2
+    return tuple(out)
+
+
+BUCKETS = graph_buckets()
 MAX_BANNED = MAX_STOP_TOKEN_IDS + 8  # stop_token_ids + eos ids while min_tokens holds
 GRAPH_RESERVE_BYTES = 512 << 20  # left free for cuBLAS workspaces and graph instantiation
 # A sequence's sampling values that do not change (CudaRunner._param_rows, in this order:
@@ -1162,7 +1178,10 @@ class CudaRunner:
         the heuristic's first guess, then against gemm_fp8.cu's candidates (FP8_WGMMA); its
         input holds random e4m3 codes while timed."""
         cfg, b, layers = self.config, self.buffers, self.weights.layers
-        sizes = [m for m in BUCKETS if GEMV_MAX_ROWS < m <= self.rows]
+        # each graph's rows its own choice (gemm._Lt.choose); the powers of two first, whose choices
+        # also serve the other row counts of their bucket (ragged steps' products), as before there
+        # were graphs between them
+        sizes = sorted((m for m in BUCKETS if GEMV_MAX_ROWS < m <= self.rows), key=lambda m: (rows_bucket(m) != m, m))
         if not sizes:
             return
         with self.stream:
