@@ -64,14 +64,14 @@ from .packing import ModelWeights, pack_model
 log = logging.getLogger("cuserve.cuda")
 
 
-def graph_buckets(largest: int = 1024, fine_from: int = 128) -> tuple[int, ...]:
+def graph_buckets(largest: int = 1024, fine_from: int = 64) -> tuple[int, ...]:
     """The row counts decode graphs are captured for (a step runs the smallest that holds its
-    rows, the rest padding): powers of two up to `fine_from`, then four a doubling (128, 160, 192,
-    224, 256, 320, ...). A step's products, LM head and row-wise kernels run on all of its
-    bucket's rows, which from ~128 rows of the 8B shape on cost more with each row: with powers of
+    rows, the rest padding): powers of two up to `fine_from`, then four a doubling (64, 80, 96,
+    112, 128, 160, ...). A step's products, LM head and row-wise kernels run on all of its
+    bucket's rows, which from ~64 rows of the 8B shape on cost more with each row: with powers of
     two alone a step of 129-255 rows ran the 256-row graph (docs/performance.md, fiftieth
-    session). Each graph's fp8 products are tuned for its rows (_tune_products), so each bucket
-    costs start-up time."""
+    session), one of 65-127 rows the 128-row graph (fifty-first). Each graph's fp8 products are
+    tuned for its rows (_tune_products), so each bucket costs start-up time."""
     out, p = [], 1
     while p <= largest:
         out.extend(m for m in ((p,) if p < fine_from else (p, p * 5 // 4, p * 3 // 2, p * 7 // 4)) if m <= largest)
