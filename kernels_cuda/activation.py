@@ -51,7 +51,7 @@ def _bulk(rows: int, inter: int, prod: int, defines: dict) -> tuple | None:
     whose groups do not fit the block's registers or whose stages do not fit shared memory; a
     build whose registers a thread leave too few for a block of SILU_BULK_THREADS)."""
     vec = -(-inter // (8 * SILU_BULK_THREADS))
-    smem = SILU_BULK_STAGES * 2 * inter * (4 if prod == 0 else 2)
+    smem = SILU_BULK_STAGES * 2 * inter * 2  # stages of [gate | up] rows, 16-bit (a float32 product: None below)
     if rows < SILU_BULK_MIN_ROWS or prod == 0 or inter % 8 or vec > 8 or smem > SILU_BULK_SMEM or not sm90_or_newer():
         return None
     kernel = function(module("activation", SILU_VEC=vec, SILU_STAGES=SILU_BULK_STAGES, **defines), "silu_mul_bulk",
