@@ -69,21 +69,27 @@ def test_sigterm_drains_in_flight_streams(smollm2_path, tmp_path_factory):
     assert sum(out["tokens"] == 60 for out in results.values()) == 6
 
 
-def _engine_process(pid: int) -> int:
-    """The server's engine process (multiprocessing's spawned child, not its resource tracker).
-    A child is listed under the thread that started it (the model-loading thread) or, once that
-    thread is gone, under whichever of the process's threads the kernel gave it to: read them all."""
-    def read(path: str) -> bytes:  # b"" for a thread or process that ended since it was listed
+def _engine_process(pid: int, timeout: float = 10.0) -> int:
+    """The server's engine process (multiprocessing's spawned child, not its resource tracker): the
+    process whose parent is the server (its PPid, the thread group's id whichever of the server's
+    threads started it or holds it now) and whose command line is spawn_main's. Read from every
+    /proc/<n>/status, not from the server threads' children lists: the kernel does not keep those
+    exact while a thread that started a child exits, and two CI runs found no engine there."""
+    def read(path: str) -> bytes:  # b"" for a process that ended since /proc was listed
         try:
             with open(path, "rb") as f:
                 return f.read()
         except (FileNotFoundError, ProcessLookupError):
             return b""
 
-    children = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        children += [int(p) for p in read(f"/proc/{pid}/task/{task}/children").split()]
-    spawned = [child for child in children if b"spawn_main" in read(f"/proc/{child}/cmdline")]
+    parent = f"PPid:\t{pid}\n".encode()
+    deadline = time.monotonic() + timeout
+    while True:
+        spawned = [int(n) for n in os.listdir("/proc") if n.isdigit() and parent in read(f"/proc/{n}/status")
+                   and b"spawn_main" in read(f"/proc/{n}/cmdline")]
+        if len(spawned) == 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     (engine,) = spawned
     return engine
 
