@@ -334,16 +334,17 @@ def decode_table(shape_name: str, batches: list[int], context: int, pdl: bool | 
 
 
 def decode_runner(shape_name: str, batch: int, context: int, kv_dtype: str = "auto",
-                  quantization: str | None = None, fill_kv: bool = False):
+                  quantization: str | None = None, fill_kv: bool = False, dtype: str = "auto"):
     """A CUDA runner of a random-weight shape whose step inputs hold `batch` decode rows at
-    `context` keys (one step executed); fill_kv: random K/V in its pool first."""
+    `context` keys (one step executed); fill_kv: random K/V in its pool first; dtype: the model's
+    16-bit type (EngineConfig.dtype)."""
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.loader import load_model
     from engine.outputs import ScheduledSeq, SchedulerOutput
     from engine.request import SamplingParams
     from engine.runner.cuda_runner import CudaRunner
     model = load_model(f"random:{shape_name}", with_tokenizer=False)
-    config = EngineConfig(model=shape_name, device="cuda", quantization=quantization,
+    config = EngineConfig(model=shape_name, device="cuda", quantization=quantization, dtype=dtype,
                           cache=CacheConfig(kv_cache_bytes=8 << 30, kv_cache_dtype=kv_dtype),
                           scheduler=SchedulerConfig(max_num_seqs=batch, max_model_len=context + 256,
                                                     max_num_batched_tokens=2048))
@@ -425,6 +426,63 @@ def timeline_table(shape_name: str, batch: int, context: int, kv_dtype: str = "a
             "ms to the last kernel's start")]
     for key, (n, us) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
         out.append(f"  {key:58s} x{n:<4d} {us:9.1f} us ({us / n:6.2f} each)")
+    del runner
+    cp.get_default_memory_pool().free_all_blocks()
+    return out
+
+
+def leave_out_table(shape_name: str, batches: list[int], context: int, kv_dtype: str = "auto",
+                    quantization: str | None = None, dtype: str = "auto", rounds: int = 5) -> list[str]:
+    """What each row-wise kernel and the decode attention cost a decode graph in place: the graph
+    of each --batch recaptured with one of them left out (its output stale: timing only), each
+    replay timed right after one of the whole graph, so that the clock's drift over the run
+    (the power cap) falls out of the difference; medians over rounds. What a kernel costs alone
+    (--profile, ncu) leaves out its launch boundaries and its overlap with its neighbours (PDL)."""
+    from contextlib import ExitStack
+    from unittest import mock
+
+    import engine.runner.cuda_runner as cuda_runner
+    runner = decode_runner(shape_name, max(batches), context, kv_dtype, quantization, fill_kv=True, dtype=dtype)
+    layers = runner.config.num_layers
+    skip = {  # what to leave out: (object, attribute, stand-in)
+        "the decode attention": (runner, "_decode_attention", lambda *a, **k: None),
+        "SiLU * up": (cuda_runner, "silu_mul", lambda *a, **k: None),
+        "RoPE + K/V write": (cuda_runner, "rope_kv_write", lambda *a, **k: None),
+        "the attention output's quantize": (cuda_runner, "quantize_rows",
+                                            lambda x, q=None, scale=None, pdl=False: (q, scale)),
+        "the norms (add + RMSNorm)": (runner, "_norm", lambda *a, **k: None),
+    }
+
+    def capture(B: int, left_out: str | None):
+        with ExitStack() as stack:
+            if left_out is not None:
+                obj, name, stand_in = skip[left_out]
+                stack.enter_context(mock.patch.object(obj, name, stand_in))
+            runner._launch_pdl = runner.pdl
+            try:
+                with runner.stream:
+                    runner.stream.begin_capture()
+                    runner._decode_body(B)
+                    return runner.stream.end_capture()
+            finally:
+                runner._launch_pdl = False
+
+    out = []
+    for B in batches:
+        graphs = {name: capture(B, name) for name in (None, *skip)}
+        whole: list[float] = []
+        saved: dict = {name: [] for name in skip}  # ms, each against the whole graph timed just before it
+        with runner.stream:
+            time_gpu(lambda: graphs[None].launch(runner.stream), iters=50)  # the clock settles at the step's load
+            for _ in range(rounds):
+                for name in skip:
+                    whole.append(time_gpu(lambda: graphs[None].launch(runner.stream), iters=20))
+                    saved[name].append(whole[-1] - time_gpu(lambda g=graphs[name]: g.launch(runner.stream), iters=20))
+        out.append(f"leave-out {shape_name} w={quantization or '16'} kv={kv_dtype} dtype={dtype} B={B} ctx={context}: "
+                   f"graph {statistics.median(whole):.3f} ms ({min(whole):.3f}-{max(whole):.3f})")
+        for name, diffs in saved.items():
+            out.append(f"  without {name:34s} {1e3 * statistics.median(diffs) / layers:7.2f} us a layer less "
+                       f"({1e3 * min(diffs) / layers:.2f}-{1e3 * max(diffs) / layers:.2f})")
     del runner
     cp.get_default_memory_pool().free_all_blocks()
     return out
@@ -614,7 +672,10 @@ def main() -> None:
                     "L tokens, its GPU time by kernel, and stop (with --quantization, --kv-cache-dtype)")
     ap.add_argument("--eager", action="store_true", help="--mixed: the runner without graphs, so that the kernels "
                     "inside them are timed too")
-    ap.add_argument("--dtype", default="auto", help="--mixed: the model's 16-bit type (auto, float16, bfloat16)")
+    ap.add_argument("--dtype", default="auto", help="--mixed, --leave-out: the model's 16-bit type (auto, float16, "
+                    "bfloat16)")
+    ap.add_argument("--leave-out", action="store_true", help="the decode graph of each --batch with each row-wise "
+                    "kernel and the decode attention left out in turn (timing only): what each costs in place, and stop")
     ap.add_argument("--read-patterns", action="store_true", help="HBM read bandwidth of the skinny GEMM's grid by "
                     "the addresses a warp load covers (bench/read_patterns.cu), and stop")
     ap.add_argument("--sampling", action="store_true", help="the sampling kernel alone at the shape's vocabulary, "
@@ -635,6 +696,10 @@ def main() -> None:
         decodes, context, prompts, prompt_len = (int(x) for x in args.mixed.split(","))
         print("\n".join(mixed_table(args.shape, decodes, context, prompts, prompt_len, args.quantization,
                                     args.kv_cache_dtype, eager=args.eager, dtype=args.dtype)))
+        return
+    if args.leave_out:
+        print("\n".join(leave_out_table(args.shape, batches, args.context, args.kv_cache_dtype, args.quantization,
+                                         args.dtype)), flush=True)
         return
     if args.timeline:
         for B in batches:
