@@ -399,7 +399,7 @@ def add_scheduling_flags(ap) -> None:
     bench/host.py)."""
     ap.add_argument("--schedule-prompts-ahead", action=argparse.BooleanOptionalAction, default=True,
                     help="as the server's setting (--no-schedule-prompts-ahead: off)")
-    ap.add_argument("--late-ahead", action=argparse.BooleanOptionalAction, default=False,
+    ap.add_argument("--late-ahead", action=argparse.BooleanOptionalAction, default=True,
                     help="as the server's setting of that name")
     ap.add_argument("--catch-up-tokens", type=int, default=None,
                     help="as the server's setting (default: half the budget; 0: off)")

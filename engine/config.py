@@ -222,10 +222,11 @@ class SchedulerConfig:
     # launch a step ahead only once the step in flight nears its end (the runner's
     # wait_near_end), so that requests arriving meanwhile join it; only after steps of
     # LATE_AHEAD_MIN_STEP_S or more whose last quarter covers the next launch, and while requests
-    # arrive (engine.py). H200, 8B fp8, 256 streams over HTTP (forty-third session, 9 loads each,
-    # alternated): the TTFT mode one step (~40 ms) lower, but more requests in the tail; TTFT p50
-    # 181 ms on average either way, the same tok/s. Off by default
-    late_ahead: bool = False
+    # arrive (engine.py). H200, 8B fp8 + fp8 K/V, 256 streams over HTTP, one SSE write a stream a
+    # step (fifty-second session, 6 loads each on one host, servers in both orders): TTFT p50
+    # 92-105 ms against 120-135, output tok/s +0.4 %. (The forty-third session, before one write a
+    # step, saw the mode one step lower but p50 the same, its tail made by the HTTP path's bursts.)
+    late_ahead: bool = True
     # prompt tokens a step may take beyond max_num_batched_tokens while it catches up with a
     # backlog: a short queue (at most max_num_seqs / 4 requests) whose first request two steps
     # have passed over (Scheduler._step_budget). Under a fixed concurrency, successors arrive as

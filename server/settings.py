@@ -44,9 +44,9 @@ class ServeSettings:
     schedule_prompts_ahead: bool = _s(True, "bool", "CUDA: also launch engine steps that take prompts while the "
                                       "step before runs, when waiting requests fill them (more throughput under a "
                                       "queue); off: only steady decode steps go ahead")
-    late_ahead: bool = _s(False, "bool", "CUDA: launch a step ahead only once the step in flight nears its end "
+    late_ahead: bool = _s(True, "bool", "CUDA: launch a step ahead only once the step in flight nears its end "
                           "(its last quarter of layers), so that requests arriving meanwhile join it (while "
-                          "requests arrive); off: as soon as the step before is launched")
+                          "requests arrive: a lower TTFT under load); off: as soon as the step before is launched")
     catch_up_tokens: int | None = _s(None, "int", "prompt tokens an engine step may take beyond "
                                      "max_num_batched_tokens while a short queue waits that two steps passed over "
                                      "(so a burst drains instead of delaying every later request); default: half of "
