@@ -10,6 +10,11 @@ was, so the two are not mixed up.
     with GpuClocks() as clocks:
         ...  # the load
     clocks.summary()  # {"sm_clock_mhz": {...}, "power_w": {...}, "power_capped": 0.85, ...} or None
+
+The summary also names the GPUs it sampled ("devices": name, UUID, serial, power limit, VBIOS),
+read once when sampling starts: the device tool lends a different H200 from run to run, and the
+same code serves a few percent apart on two of them (docs/performance.md), so a figure says
+which board it came from.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import threading
 QUERY = "clocks.sm,power.draw,clocks_throttle_reasons.active"
 SAMPLE_MS = 200
 POWER_CAP_BIT = 0x4  # clocks_throttle_reasons.active: the software power cap holds the clocks down
+IDENTITY_QUERY = "name,uuid,serial,power.limit,vbios_version"
 
 
 def parse_samples(lines: list[str]) -> list[tuple[float, float, int]]:
@@ -37,6 +43,24 @@ def parse_samples(lines: list[str]) -> list[tuple[float, float, int]]:
         except ValueError:
             continue
     return samples
+
+
+def parse_identity(lines: list[str]) -> list[dict]:
+    """Each GPU's name, UUID, serial, power limit (W) and VBIOS from `nvidia-smi
+    --query-gpu=IDENTITY_QUERY --format=csv,noheader,nounits` lines; lines that do not parse
+    are left out."""
+    devices = []
+    for line in lines:
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) != 5 or not parts[1].startswith("GPU-"):
+            continue
+        try:
+            limit = float(parts[3])
+        except ValueError:
+            limit = None
+        devices.append({"name": parts[0], "uuid": parts[1], "serial": parts[2], "power_limit_w": limit,
+                        "vbios": parts[4]})
+    return devices
 
 
 def summarize_samples(samples: list[tuple[float, float, int]]) -> dict | None:
@@ -59,11 +83,18 @@ class GpuClocks:
         self.enabled = enabled and shutil.which("nvidia-smi") is not None
         self.interval_ms = interval_ms
         self.lines: list[str] = []
+        self.devices: list[dict] = []  # parse_identity's, read at __enter__
         self._proc: subprocess.Popen | None = None
         self._reader: threading.Thread | None = None
 
     def __enter__(self) -> GpuClocks:
         if self.enabled:
+            try:
+                found = subprocess.run(["nvidia-smi", f"--query-gpu={IDENTITY_QUERY}", "--format=csv,noheader,nounits"],
+                                       capture_output=True, text=True, timeout=10)
+                self.devices = parse_identity(found.stdout.splitlines())
+            except (OSError, subprocess.TimeoutExpired):
+                self.devices = []
             try:
                 self._proc = subprocess.Popen(
                     ["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits", f"-lms={self.interval_ms}"],
@@ -90,7 +121,10 @@ class GpuClocks:
             self._proc = None
 
     def summary(self) -> dict | None:
-        return summarize_samples(parse_samples(self.lines))
+        summary = summarize_samples(parse_samples(self.lines))
+        if summary is not None and self.devices:
+            summary["devices"] = self.devices
+        return summary
 
 
 def describe(gpu: dict | None) -> str | None:
@@ -100,4 +134,5 @@ def describe(gpu: dict | None) -> str | None:
     c, p = gpu["sm_clock_mhz"], gpu["power_w"]
     return (f"gpu ({gpu['samples']} samples): SM clock p50 {c['p50']:.0f} MHz (min {c['min']:.0f}, max "
             f"{c['max']:.0f}), power p50 {p['p50']:.0f} W (max {p['max']:.0f}), power-capped in "
-            f"{100 * gpu['power_capped']:.0f} % of samples")
+            f"{100 * gpu['power_capped']:.0f} % of samples"
+            + "".join(f", {d['uuid'][:12]}" for d in gpu.get("devices", [])))

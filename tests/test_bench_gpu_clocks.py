@@ -8,7 +8,7 @@ import stat
 import time
 
 from bench import gpu_clocks
-from bench.gpu_clocks import GpuClocks, describe, parse_samples, summarize_samples
+from bench.gpu_clocks import GpuClocks, describe, parse_identity, parse_samples, summarize_samples
 
 
 def test_samples_parse_and_summarize():
@@ -28,7 +28,8 @@ def test_samples_parse_and_summarize():
 def test_sampler_reads_nvidia_smi_while_the_load_runs(tmp_path, monkeypatch):
     fake = tmp_path / "nvidia-smi"
     fake.write_text("#!/bin/sh\n"
-                    "case \"$*\" in *clocks.sm,power.draw*-lms=*) ;; *) exit 3;; esac\n"
+                    "case \"$*\" in *uuid*) echo 'NVIDIA H200, GPU-bfd0ceb1-a7d4, 1653924042814, 700.00, 96.00.A5'; "
+                    "exit 0;; *clocks.sm,power.draw*-lms=*) ;; *) exit 3;; esac\n"
                     "echo '1620, 692.5, 0x0000000000000004'\necho '1980, 180.0, 0x0000000000000000'\nexec sleep 30\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
@@ -38,7 +39,19 @@ def test_sampler_reads_nvidia_smi_while_the_load_runs(tmp_path, monkeypatch):
             time.sleep(0.02)
     gpu = clocks.summary()
     assert gpu["samples"] == 2 and gpu["power_capped"] == 0.5 and gpu["sm_clock_mhz"]["p50"] == 1800.0
+    assert gpu["devices"] == [{"name": "NVIDIA H200", "uuid": "GPU-bfd0ceb1-a7d4", "serial": "1653924042814",
+                               "power_limit_w": 700.0, "vbios": "96.00.A5"}]
+    assert describe(gpu).endswith(", GPU-bfd0ceb1")
     assert clocks._proc is None  # stopped at the end of the load
+
+
+def test_identity_lines_parse():
+    lines = ["NVIDIA H200, GPU-b0481433-9d2f, 1654024199778, 700.00, 96.00.A5.00.1A\n",
+             "name, uuid, serial, power.limit [W], vbios_version\n", "NVIDIA H200, GPU-61b39fed, [N/A], [N/A], 96.00\n"]
+    assert parse_identity(lines) == [
+        {"name": "NVIDIA H200", "uuid": "GPU-b0481433-9d2f", "serial": "1654024199778", "power_limit_w": 700.0,
+         "vbios": "96.00.A5.00.1A"},
+        {"name": "NVIDIA H200", "uuid": "GPU-61b39fed", "serial": "[N/A]", "power_limit_w": None, "vbios": "96.00"}]
 
 
 def test_no_nvidia_smi_no_samples(monkeypatch):
