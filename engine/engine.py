@@ -632,8 +632,9 @@ class Engine(EngineAPI):
         one ahead (SchedulerConfig.late_ahead): a step launched ahead is fixed when launched,
         so launching it late lets the requests that arrive meanwhile join it, and takes the
         time from a request's arrival to its step's start from up to two steps to at most one
-        (H200, 8B fp8 over HTTP, 256 streams: the mode of the engine's TTFT 100-120 -> 60-80 ms,
-        but its tail no shorter: the p50 is the same; forty-third session). Only with a runner
+        (H200, 8B fp8 over HTTP, 256 streams: the client's TTFT p50 ~123 -> ~96-102 ms, on by
+        default since the fifty-second session; the forty-third, before one SSE write a stream a
+        step, saw only the mode move). Only with a runner
         that marks that point (wait_near_end), after a step of LATE_AHEAD_MIN_STEP_S or more
         (the last quarter of a shorter one would not cover the next launch), and while requests arrive
         (LATE_AHEAD_ARRIVALS_S): otherwise no one could join the step, and waiting would only
