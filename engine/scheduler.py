@@ -387,26 +387,32 @@ class Scheduler:
         decodes: list[ScheduledSeq] = []
         chunks: list[tuple[ScheduledSeq, int]] = []  # prev's prompt rows part-way, and where they go to
         ending: list[int] = []  # sequences whose token from prev is their last
+        # the loop below runs for every row of every step launched ahead (256 at a time under
+        # load), on the host's path between two steps: its lookups are hoisted
+        seqs, region, running, max_model_len = self._seqs, self.kv.region, SeqStatus.RUNNING, self.max_model_len
         for row in prev.seqs:
-            seq = self._seqs.get(row.seq_id)
-            if seq is None or seq.status is not SeqStatus.RUNNING:
+            seq = seqs.get(row.seq_id)
+            if seq is None or seq.status is not running:
                 continue  # aborted meanwhile
             if seq.needs_fork or row.want_prompt_logprobs or seq.num_computed != row.start_pos:
                 return None
-            params = seq.request.params
+            request = seq.request
+            params = request.params
             if row.sample:
-                generated = len(seq.output_token_ids) + 1  # with prev's token
+                output = seq.output_token_ids
+                generated = len(output) + 1  # with prev's token
                 if ((params.max_tokens is not None and generated >= params.max_tokens)
-                        or seq.num_tokens + 1 >= self.max_model_len):
+                        or len(request.prompt_token_ids) + generated >= max_model_len):
                     ending.append(seq.seq_id)  # prev's token is its last
                     continue
-                start, capacity = self.kv.region(seq.seq_id)
-                if row.kv_len + 1 > capacity:
+                start, capacity = region(seq.seq_id)
+                kv_len = row.start_pos + len(row.token_ids)
+                if kv_len + 1 > capacity:
                     return None
                 decodes.append(ScheduledSeq(
-                    seq_id=seq.seq_id, token_ids=row.token_ids[-1:], start_pos=row.kv_len, kv_start=start,
-                    sample=True, sampling=params, output_token_ids=seq.output_token_ids,
-                    prompt_token_ids=seq.prompt_token_ids, rng_seed=seq.rng_seed, pending_tokens=1))
+                    seq_id=seq.seq_id, token_ids=row.token_ids[-1:], start_pos=kv_len, kv_start=start,
+                    sample=True, sampling=params, output_token_ids=output,
+                    prompt_token_ids=request.prompt_token_ids, rng_seed=seq.rng_seed, pending_tokens=1))
             else:
                 target = self._prefill_target(seq)
                 if row.kv_len < target:
