@@ -372,6 +372,19 @@ def profile_graph(shape_name: str, batch: int, context: int, kv_dtype: str = "au
     cp.cuda.profiler.stop()
 
 
+def capture_decode_graph(runner, batch: int):
+    """A graph of the runner's decode body for `batch` rows, its kernels launched with programmatic
+    dependent launch where the runner's graphs use it (CudaRunner._capture_graphs)."""
+    runner._launch_pdl = runner.pdl
+    try:
+        with runner.stream:
+            runner.stream.begin_capture()
+            runner._decode_body(batch)
+            return runner.stream.end_capture()
+    finally:
+        runner._launch_pdl = False
+
+
 def timeline_table(shape_name: str, batch: int, context: int, kv_dtype: str = "auto",
                    quantization: str | None = None, replays: int = 20) -> list[str]:
     """Where a decode graph's time goes with every kernel in place (PDL overlaps included):
@@ -386,15 +399,8 @@ def timeline_table(shape_name: str, batch: int, context: int, kv_dtype: str = "a
     tl = Timeline()
     with tl.compiling():
         runner = decode_runner(shape_name, batch, context, kv_dtype, quantization, fill_kv=True)
-        runner._launch_pdl = runner.pdl
-        try:
-            with runner.stream:
-                tl.names.clear()
-                runner.stream.begin_capture()
-                runner._decode_body(batch)
-                graph = runner.stream.end_capture()
-        finally:
-            runner._launch_pdl = False
+        tl.names.clear()
+        graph = capture_decode_graph(runner, batch)
         names = list(tl.names)
     stream = runner.stream
     with stream:
@@ -458,14 +464,7 @@ def leave_out_table(shape_name: str, batches: list[int], context: int, kv_dtype:
             if left_out is not None:
                 obj, name, stand_in = skip[left_out]
                 stack.enter_context(mock.patch.object(obj, name, stand_in))
-            runner._launch_pdl = runner.pdl
-            try:
-                with runner.stream:
-                    runner.stream.begin_capture()
-                    runner._decode_body(B)
-                    return runner.stream.end_capture()
-            finally:
-                runner._launch_pdl = False
+            return capture_decode_graph(runner, B)
 
     out = []
     for B in batches:

@@ -402,11 +402,11 @@ class Scheduler:
                 output = seq.output_token_ids
                 generated = len(output) + 1  # with prev's token
                 if ((params.max_tokens is not None and generated >= params.max_tokens)
-                        or len(request.prompt_token_ids) + generated >= max_model_len):
+                        or seq.num_tokens + 1 >= max_model_len):
                     ending.append(seq.seq_id)  # prev's token is its last
                     continue
                 start, capacity = region(seq.seq_id)
-                kv_len = row.start_pos + len(row.token_ids)
+                kv_len = row.kv_len
                 if kv_len + 1 > capacity:
                     return None
                 decodes.append(ScheduledSeq(
