@@ -454,17 +454,21 @@ def test_warm_up_leaves_serving_steps_nothing_to_build(tmp_path, kv_dtype, quant
     cuBLASLt algorithm: no compile lands in a first request's time to first token. Prompts
     alone (past the wide kernels' 512 rows), decode rows beside a short prompt (2 and 5 rows:
     the decode attention's launch bounds follow the row count), a chunk after a prefix, a few
-    tokens; each sampling. (CuPy keeps its kernels for the process: its part of the check
-    bites where no earlier test built the same gathers.)"""
+    tokens, 20 decode rows beside a prompt (the products of its sampling rows' last layer at
+    their count: no cuBLASLt plan built there either); each sampling. (CuPy keeps its kernels
+    for the process: its part of the check bites where no earlier test built the same gathers.
+    The 16-bit LM head's warm-up at each count is not seen here: cuBLAS loads its kernels
+    unseen; bench/serve.py --engine's first load shows it.)"""
     import cupy.cuda.compiler as cupy_compiler
 
     from kernels_cuda import _module, gemm
     monkeypatch.setattr(_module, "_MODULES", {})  # what other tests built does not count
     monkeypatch.setattr(gemm, "_lt", None)
     model = load_model(str(build_tiny_model(tmp_path, "llama_hd64", seed=5)), with_tokenizer=False)
-    gpu = cuda_runner(model, max_model_len=REGION, kv_dtype=kv_dtype, quantization=quant)
+    gpu = cuda_runner(model, max_model_len=REGION, kv_dtype=kv_dtype, quantization=quant, max_num_seqs=32)
     built = set(_module._MODULES)
     algos = set(gemm._lt.algos) if gemm._lt is not None else set()
+    plans = set(gemm._lt.plans) if gemm._lt is not None else set()
     compiled = []
     compile_module = cupy_compiler._compile_module_with_cache
     monkeypatch.setattr(cupy_compiler, "_compile_module_with_cache",
@@ -484,13 +488,17 @@ def test_warm_up_leaves_serving_steps_nothing_to_build(tmp_path, kv_dtype, quant
              [row(4, prompt(9), 0)],
              # one-token rows only, one of them a prompt's first chunk that samples nothing: the
              # ragged path with no prompt tiles (flash_prefill.tiles of nothing)
-             [row(4, [8], 9), row(5, prompt(1), 0, sample=False)]]
+             [row(4, [8], 9), row(5, prompt(1), 0, sample=False)],
+             # more sampling rows than the skinny GEMM takes beside a prompt: the last layer of the
+             # sampling rows (_sampled_tail) and the LM head run their products at that count
+             [*(row(s, [9], 300) for s in range(6, 26)), row(26, prompt(40), 0)]]
     for step in steps:  # every sampling row gets its token
         assert set(gpu.execute(SchedulerOutput(step)).sampled) == {x.seq_id for x in step if x.sample}
     assert set(_module._MODULES) == built, sorted(set(_module._MODULES) - built)
     assert not compiled, [src[0][:200] for src in compiled]
     if quant:
         assert set(gemm._lt.algos) == algos, sorted(set(gemm._lt.algos) - algos)
+        assert set(gemm._lt.plans) == plans, sorted(set(gemm._lt.plans) - plans)
 
 
 class CountedGraph:
