@@ -846,6 +846,11 @@ class CudaRunner:
         q8 = self.lm_head_q8
         return q8 if q8 is not None and n <= GEMV_MAX_ROWS else self.weights.lm_head
 
+    def _logits(self, n: int) -> None:
+        """logits[:n] = the LM head (_lm_head's form for n rows) of final_norm_out[:n]."""
+        b = self.buffers
+        self._linear(b.final_norm_out[:n], self._lm_head(n), b.logits[:n])
+
     # ------------------------------------------------------------------ the model
 
     def _linear(self, x: cp.ndarray, w, out: cp.ndarray, pdl: bool | None = None,
@@ -1169,7 +1174,7 @@ class CudaRunner:
         # the final norm is a kernel of its own even where _fold_norms: the LM head has the most
         # blocks, each of which would norm the row again (H200, SmolLM2 B=1 graph 0.404 -> 0.400 ms)
         self._norm(residual, delta, w.norm, b.final_norm_out[:n], down_scales)
-        self._linear(b.final_norm_out[:n], self._lm_head(n), b.logits[:n])
+        self._logits(n)
         self._sample(n)
 
     def _tune_products(self) -> None:
@@ -1431,7 +1436,7 @@ class CudaRunner:
                     for n in range(1, self.rows + 1):
                         self._sampled_tail(self._residual(T), T, n)
             for n in range(1, self.rows + 1):
-                self._linear(b.final_norm_out[:n], self._lm_head(n), b.logits[:n])
+                self._logits(n)
             self.stream.synchronize()
 
     def _sample_rows(self, hidden: cp.ndarray, rows, n: int) -> None:
@@ -1795,7 +1800,7 @@ class CudaRunner:
                 return lambda: result
             if not sampled_tail:
                 self._sample_rows(b.norm_out[:T], b.ragged.dev["last_tok"][:n], n)
-            self._linear(b.final_norm_out[:n], self._lm_head(n), b.logits[:n])
+            self._logits(n)
             self._sample(n)
             self._download(slot, n, want_lp)
 
@@ -1818,7 +1823,7 @@ class CudaRunner:
             for p0 in range(0, len(wanted), self.rows):
                 idx = wanted[p0:p0 + self.rows]
                 self._sample_rows(b.norm_out[:T], idx, len(idx))
-                self._linear(b.final_norm_out[:len(idx)], self._lm_head(len(idx)), b.logits[:len(idx)])
+                self._logits(len(idx))
                 logits[p0:p0 + len(idx)] = cp.asnumpy(b.logits[:len(idx)], stream=self.stream)
             self.stream.synchronize()
         return logits
@@ -1836,7 +1841,7 @@ class CudaRunner:
             n = p1 - p0
             src = cp.arange(first_token + p0 - 1 - row.start_pos, first_token + p1 - 1 - row.start_pos)
             self._sample_rows(b.norm_out, src, n)
-            self._linear(b.final_norm_out[:n], self._lm_head(n), b.logits[:n])
+            self._logits(n)
             targets = cp.asarray(np.array(prompt[p0:p1], np.int32))
             lp_n = cp.full(n, top_n, np.int32)
             token_logprobs(b.logits[:n], lp_n, targets, b.lp_value, b.lp_rank, b.lp_top_ids, b.lp_top_values, rows=n)
