@@ -102,11 +102,15 @@ def gemm(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray | None = None) -> cp.ndar
 # scale (common.cuh's dequant). gemm_fp8_scaled has cuBLASLt scale A's rows and B's columns
 # in its epilogue instead (the "outer vector" scale modes, _LT_*_SCALE_*): cuBLASLt 13.1 on
 # the H200 has one algorithm for them, bfloat16 out (docs/performance.md, thirty-first and
-# thirty-second sessions). They run with no workspace: given one, that algorithm takes a tile
-# scheduler whose 4-byte counter cuBLASLt zeroes with a memset before each product, and in a
-# serving step the memset left the device idle ~4.5 us a product, against ~0.5 us without; with
-# none it takes a static schedule (H200, 2,041-token mixed steps: 28.78 -> 28.52 ms, the
-# products' kernels 0.6 % slower; fifty-fourth session).
+# thirty-second sessions).
+# A product runs with cuBLASLt's workspace only where its algorithm asks for one, and the
+# heuristic is asked first for algorithms that need none (_Lt._untuned). An algorithm given a
+# workspace may take a tile scheduler whose 4-byte counter cuBLASLt zeroes with a memset before
+# each product; in a serving step that left the device idle ~4.5 us a product, against ~0.5 us
+# between kernels otherwise. With none it takes a static schedule (H200, 2,041-token mixed steps,
+# the scaled products: 28.78 -> 28.52 ms a step, their kernels 0.6 % slower; lone prompts of 128
+# / 512 tokens, every product: 4.62 -> 4.41 / 8.16 -> 7.92 ms; fifty-fourth session). Products
+# tuned by timing (tune_gemm_fp8) choose among all the heuristic's algorithms.
 _LT_TRANSA, _LT_TRANSB, _LT_FAST_ACCUM = 3, 4, 25
 _LT_A_SCALE_POINTER, _LT_B_SCALE_POINTER, _LT_A_SCALE_MODE, _LT_B_SCALE_MODE = 17, 18, 31, 32
 _LT_SCALE_OUTER_VEC_32F = 3
@@ -117,12 +121,6 @@ LT_WORKSPACE_BYTES = 32 << 20
 # 8B shapes: 7-10 % faster at 1-2k rows, none at 256; rms error 1.7e-3 of the sums at K =
 # 4,096 and 3.2e-3 at 14,336, against 2e-4 promoted and 3.6e-2 for e4m3's own rounding of
 # the inputs (docs/performance.md, twenty-fifth session).
-
-
-def workspace_bytes(scaled: bool) -> int:
-    """The cuBLASLt workspace an fp8 product runs with: none where scaled in the epilogue (see
-    the note on the scale modes above), else LT_WORKSPACE_BYTES."""
-    return 0 if scaled else LT_WORKSPACE_BYTES
 
 
 def rows_bucket(M: int) -> int:
@@ -183,7 +181,7 @@ class _Lt:
             bucket = self._bucket(key)
             algo = self.tuned.get(key, self.algos.get(bucket))
             if algo is None:
-                algo = self.algos[bucket] = self._heuristic(desc, a, b, c, M, N, K, scaled=scaled)[0]
+                algo = self.algos[bucket] = self._untuned(desc, a, b, c, M, N, K)
             plan = self.plans[key] = (desc, a, b, c, algo)
         return plan
 
@@ -212,7 +210,7 @@ class _Lt:
         algorithm does not run on M)."""
         key = (M, N, K, out_type, fast, scaled)
         desc, a, b, c, _ = self.plans[key]
-        plan = self.plans[key] = (desc, a, b, c, self._heuristic(desc, a, b, c, M, N, K, scaled=scaled)[0])
+        plan = self.plans[key] = (desc, a, b, c, self._untuned(desc, a, b, c, M, N, K))
         return plan
 
     def _descriptors(self, M: int, N: int, K: int, out_type: int, fast: bool, scaled: bool = False) -> tuple:
@@ -239,14 +237,21 @@ class _Lt:
             layouts.append(layout)
         return (desc, *layouts)
 
+    def _untuned(self, desc, a, b, c, M: int, N: int, K: int) -> "_HeuristicResult":
+        """The heuristic's first algorithm among those that need no workspace, else among all (see
+        the note on workspaces above)."""
+        try:
+            return self._heuristic(desc, a, b, c, M, N, K, workspace=0)[0]
+        except RuntimeError:
+            return self._heuristic(desc, a, b, c, M, N, K)[0]
+
     def _heuristic(self, desc, a, b, c, M: int, N: int, K: int, count: int = 1,
-                   scaled: bool = False) -> list["_HeuristicResult"]:
-        """Up to `count` algorithms, cuBLASLt's best guess first; for a product scaled in the
-        epilogue, those that run with no workspace (workspace_bytes)."""
+                   workspace: int = LT_WORKSPACE_BYTES) -> list["_HeuristicResult"]:
+        """Up to `count` algorithms that need at most `workspace` bytes, cuBLASLt's best guess first."""
         lib, v = self.lib, ctypes.c_void_p
         pref = v()
         self._ok(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
-        ws = ctypes.c_uint64(workspace_bytes(scaled))
+        ws = ctypes.c_uint64(workspace)
         self._ok(lib.cublasLtMatmulPreferenceSetAttribute(pref, _LT_PREF_MAX_WORKSPACE_BYTES, ctypes.byref(ws),
                                                           ctypes.sizeof(ws)), "cublasLtMatmulPreferenceSetAttribute")
         results, found = (_HeuristicResult * count)(), ctypes.c_int(0)
@@ -268,7 +273,7 @@ class _Lt:
         if x_scale is not None:
             self._set(desc, _LT_A_SCALE_POINTER, ctypes.c_void_p(w.scale.data.ptr))
             self._set(desc, _LT_B_SCALE_POINTER, ctypes.c_void_p(x_scale.data.ptr))
-        ws = workspace_bytes(x_scale is not None)
+        ws = LT_WORKSPACE_BYTES if algo.workspaceSize else 0  # see the note on workspaces above
         return self.lib.cublasLtMatmul(self.handle, desc, ctypes.byref(_ONE_LT), w.data.data.ptr, a, xq.data.ptr, b,
                                        ctypes.byref(_ONE_LT if add else _ZERO_LT), out.data.ptr, c, out.data.ptr, c,
                                        ctypes.byref(algo.algo), self.workspace.data.ptr if ws else None, ws,
