@@ -301,23 +301,39 @@ def step_summary(trace: list[tuple[int, int, float]]) -> dict:
     return out
 
 
-def _trace_steps(engine, budget: int) -> None:
+def _trace_steps(engine, budget: int, kernels: tuple[str, int, int] | None = None) -> None:
     """From now on, run steps within `budget` tokens and trace each: (decode rows, prompt
-    tokens, seconds). Run through engine.call, where the engine lives."""
+    tokens, seconds). kernels: (path, first step, steps): record the device's kernels over
+    that window of the load's steps (bench/kernel_trace.py), written to path by _take_trace.
+    Run through engine.call, where the engine lives."""
     from dataclasses import replace
+
+    from bench import kernel_trace
     engine.scheduler.config = replace(engine.scheduler.config, max_num_batched_tokens=budget)
     trace: list[tuple[int, int, float]] = []
 
     def on_step(_engine, out, seconds):  # a decode row: one token past the prompt
         decodes = sum(1 for s in out.seqs if s.num_tokens == 1 and s.start_pos >= len(s.prompt_token_ids))
         trace.append((decodes, out.num_tokens - decodes, seconds))
-    on_step.trace = trace
+        if kernels is not None and len(trace) == kernels[1]:
+            on_step.profiler = kernel_trace.start()
+        elif on_step.profiler is not None and len(trace) == kernels[1] + kernels[2]:
+            kernel_trace.stop(on_step.profiler)
+            on_step.stopped = True
+    on_step.trace, on_step.kernels, on_step.profiler, on_step.stopped = trace, kernels, None, False
     engine.on_step = on_step
 
 
 def _take_trace(engine) -> list[tuple[int, int, float]]:
-    trace, engine.on_step = engine.on_step.trace, None
-    return trace
+    """The steps' trace; and where the kernels were recorded, their trace written (a load that
+    ended inside the window: up to its end)."""
+    from bench import kernel_trace
+    on_step, engine.on_step = engine.on_step, None
+    if on_step.profiler is not None:
+        if not on_step.stopped:
+            kernel_trace.stop(on_step.profiler)
+        on_step.profiler.export_chrome_trace(on_step.kernels[0])
+    return on_step.trace
 
 
 async def run_engine(args) -> list[dict]:
@@ -344,7 +360,12 @@ async def run_engine(args) -> list[dict]:
     try:
         await engine_request(engine, prompts[0][:16], 4)  # warm-up
         for budget in args.budgets:
-            engine.call(_trace_steps, budget)
+            kernels = None
+            if args.kernel_trace:
+                Path(args.kernel_trace).mkdir(parents=True, exist_ok=True)
+                kernels = (str(Path(args.kernel_trace).resolve() / f"kernels-{budget}.json"),
+                           *args.kernel_trace_window)
+            engine.call(_trace_steps, budget, kernels)
             with GpuClocks(gpu_clocks_wanted(args)) as clocks:
                 results, start, end = await closed_loop(prompts, args.concurrency, args.request_rate, args.seed + 1,
                                                         args.output_len,
@@ -353,6 +374,9 @@ async def run_engine(args) -> list[dict]:
             summary = summarize(args, args.engine, results, end - start)
             summary.update(max_num_batched_tokens=budget, steps=step_summary(trace),
                            step_seconds=sum(t[2] for t in trace), gpu=clocks.summary())
+            if kernels is not None and Path(kernels[0]).exists():
+                from bench import kernel_trace
+                summary["kernel_trace"] = kernel_trace.summarize(json.loads(Path(kernels[0]).read_text()))
             summaries.append(summary)
             traces.append(trace)
     finally:
@@ -456,7 +480,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "on a thread of this process, sharing its GIL with the load's asyncio work")
     engine.add_argument("--trace", help="write every step's (decode rows, prompt tokens, seconds) here "
                                         "(a list of such traces with several budgets)")
+    engine.add_argument("--kernel-trace", metavar="DIR",
+                        help="record the device's kernels over a window of the load's steps with torch.profiler "
+                             "(bench/kernel_trace.py), write the trace to DIR/kernels-BUDGET.json and report "
+                             "where each kind of step's time goes; disturbs the load's throughput")
+    engine.add_argument("--kernel-trace-steps", default="250,30", metavar="FIRST,COUNT",
+                        help="the window: from the load's step FIRST, COUNT steps (default 250,30)")
     args = ap.parse_args(argv)
+    try:
+        args.kernel_trace_window = tuple(int(v) for v in args.kernel_trace_steps.split(","))
+        if len(args.kernel_trace_window) != 2 or min(args.kernel_trace_window) < 1:
+            raise ValueError
+    except ValueError:
+        ap.error(f"--kernel-trace-steps: expected FIRST,COUNT (two positive integers), got {args.kernel_trace_steps!r}")
+    if args.kernel_trace and not args.engine:
+        ap.error("--kernel-trace needs --engine (the recording runs where the engine does)")
     try:
         args.budgets = [int(b) for b in str(args.max_num_batched_tokens).split(",")]
     except ValueError:
@@ -501,6 +539,9 @@ def report(args, summary: dict) -> None:
         for kind, k in summary["steps"].items():
             print(f"  {kind:8s} {k['steps']:>6} {k['seconds']:>8.2f} {100 * k['share']:>5.1f}% {k['ms_p50']:>8.2f} "
                   f"{k['decode_rows_p50']:>12.0f} {k['prompt_tokens_p50']:>15.0f} {k['prompt_tok_s']:>13.0f}")
+    if "kernel_trace" in summary:
+        from bench import kernel_trace
+        print("\n".join("  " + line for line in kernel_trace.report(summary["kernel_trace"])))
 
 
 if __name__ == "__main__":

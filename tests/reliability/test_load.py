@@ -39,9 +39,11 @@ def test_serve_bench_from_two_client_processes(busy_server):
 
 
 @pytest.mark.parametrize("where", ["thread", "process"])
-def test_serve_bench_engine_mode_traces_every_step(smollm2_path, tmp_path, where):
+def test_serve_bench_engine_mode_traces_every_step(smollm2_path, tmp_path, where, monkeypatch):
     import asyncio as aio
     import json
+    import sys
+    from pathlib import Path
 
     from bench import serve
     trace = tmp_path / "trace.json"
@@ -49,9 +51,35 @@ def test_serve_bench_engine_mode_traces_every_step(smollm2_path, tmp_path, where
     args = serve.parse_args(["--engine", smollm2_path, "--device", "cpu", "--num-prompts", "6", "--input-len", "40",
                              "--output-len", "4", "--concurrency", "3", "--max-num-batched-tokens", "64,24",
                              "--max-num-seqs", "3", "--vocab", "40000", "--trace", str(trace)]
-                            + (["--engine-process"] if where == "process" else []))
+                            + (["--engine-process"] if where == "process" else
+                               ["--kernel-trace", str(tmp_path / "kt"), "--kernel-trace-steps", "2,3"]))
+    if where == "thread":  # a stand-in for torch.profiler (bench/kernel_trace.py): when it runs, what it writes
+        from bench import kernel_trace
+        calls = []
+
+        class Recorder:
+            def export_chrome_trace(self, path):
+                calls.append(("export", path))
+                Path(path).write_text(json.dumps({"traceEvents": [
+                    {"cat": "kernel", "name": n, "ts": t, "dur": 5} for n, t in (("embedding", 0), ("embedding", 9))]}))
+
+        def steps_so_far() -> int:  # the step trace of the on_step that calls start / stop
+            return len(sys._getframe(2).f_locals["trace"])
+
+        def start():
+            calls.append(("start", steps_so_far()))
+            return Recorder()
+
+        def stop(prof):
+            calls.append(("stop", steps_so_far()))
+        monkeypatch.setattr(kernel_trace, "start", start)
+        monkeypatch.setattr(kernel_trace, "stop", stop)
     summaries = aio.run(serve.run_engine(args))
     traces = json.loads(trace.read_text())
+    if where == "thread":  # steps 3-5 of each load recorded, a trace written for each budget and summarized
+        paths = [str((tmp_path / "kt" / f"kernels-{budget}.json").resolve()) for budget in (64, 24)]
+        assert calls == [("start", 2), ("stop", 5), ("export", paths[0]), ("start", 2), ("stop", 5), ("export", paths[1])]
+        assert [s["kernel_trace"]["kinds"]["decode"]["span_us_p50"] for s in summaries] == [5, 5]
     assert [s["max_num_batched_tokens"] for s in summaries] == [64, 24] and len(traces) == 2
     for summary, steps in zip(summaries, traces):
         assert summary["completed"] == 6 and summary["output_throughput"] == 6 * 4 / summary["duration_s"]
@@ -69,7 +97,9 @@ def test_serve_bench_engine_mode_traces_every_step(smollm2_path, tmp_path, where
 def test_serve_bench_budget_list_needs_engine_mode(capsys):
     from bench import serve
     for argv, message in ((["--max-num-batched-tokens", "2048,8192"], "need --engine"),
-                          (["--engine", "x", "--max-num-batched-tokens", "2048,lots"], "expected integers")):
+                          (["--engine", "x", "--max-num-batched-tokens", "2048,lots"], "expected integers"),
+                          (["--kernel-trace", "out"], "needs --engine"),
+                          (["--engine", "x", "--kernel-trace", "out", "--kernel-trace-steps", "5"], "FIRST,COUNT")):
         with pytest.raises(SystemExit):
             serve.parse_args(argv)
         assert message in capsys.readouterr().err
