@@ -105,7 +105,7 @@ def summarize(trace: dict) -> dict:
                 fams[name][1] += count / len(ss)
         out["kinds"][kind] = {
             "steps": len(ss), "span_us_p50": statistics.median(s["span"] for s in ss),
-            "busy_p50": statistics.median(s["busy"] / s["span"] for s in ss if s["span"] > 0) if ss else 0.0,
+            "busy_p50": statistics.median(s["busy"] / s["span"] if s["span"] else 1.0 for s in ss),
             "kernels_p50": statistics.median(s["n"] for s in ss),
             "families": dict(sorted(fams.items(), key=lambda f: -f[1][0]))}
     out["gaps"] = sorted(([a, b, sum(v) / whole, len(v) / whole] for (a, b), v in gaps.items()),

@@ -48,6 +48,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import kernel_trace  # noqa: E402
 from bench.gpu_clocks import GpuClocks, describe  # noqa: E402
 
 
@@ -307,8 +308,6 @@ def _trace_steps(engine, budget: int, kernels: tuple[str, int, int] | None = Non
     that window of the load's steps (bench/kernel_trace.py), written to path by _take_trace.
     Run through engine.call, where the engine lives."""
     from dataclasses import replace
-
-    from bench import kernel_trace
     engine.scheduler.config = replace(engine.scheduler.config, max_num_batched_tokens=budget)
     trace: list[tuple[int, int, float]] = []
 
@@ -317,20 +316,18 @@ def _trace_steps(engine, budget: int, kernels: tuple[str, int, int] | None = Non
         trace.append((decodes, out.num_tokens - decodes, seconds))
         if kernels is not None and len(trace) == kernels[1]:
             on_step.profiler = kernel_trace.start()
-        elif on_step.profiler is not None and len(trace) == kernels[1] + kernels[2]:
+        elif on_step.profiler is not None and len(trace) == sum(kernels[1:]):
             kernel_trace.stop(on_step.profiler)
-            on_step.stopped = True
-    on_step.trace, on_step.kernels, on_step.profiler, on_step.stopped = trace, kernels, None, False
+    on_step.trace, on_step.kernels, on_step.profiler = trace, kernels, None
     engine.on_step = on_step
 
 
 def _take_trace(engine) -> list[tuple[int, int, float]]:
     """The steps' trace; and where the kernels were recorded, their trace written (a load that
     ended inside the window: up to its end)."""
-    from bench import kernel_trace
     on_step, engine.on_step = engine.on_step, None
     if on_step.profiler is not None:
-        if not on_step.stopped:
+        if len(on_step.trace) < sum(on_step.kernels[1:]):  # not stopped at the window's end
             kernel_trace.stop(on_step.profiler)
         on_step.profiler.export_chrome_trace(on_step.kernels[0])
     return on_step.trace
@@ -375,7 +372,6 @@ async def run_engine(args) -> list[dict]:
             summary.update(max_num_batched_tokens=budget, steps=step_summary(trace),
                            step_seconds=sum(t[2] for t in trace), gpu=clocks.summary())
             if kernels is not None and Path(kernels[0]).exists():
-                from bench import kernel_trace
                 summary["kernel_trace"] = kernel_trace.summarize(json.loads(Path(kernels[0]).read_text()))
             summaries.append(summary)
             traces.append(trace)
@@ -540,7 +536,6 @@ def report(args, summary: dict) -> None:
             print(f"  {kind:8s} {k['steps']:>6} {k['seconds']:>8.2f} {100 * k['share']:>5.1f}% {k['ms_p50']:>8.2f} "
                   f"{k['decode_rows_p50']:>12.0f} {k['prompt_tokens_p50']:>15.0f} {k['prompt_tok_s']:>13.0f}")
     if "kernel_trace" in summary:
-        from bench import kernel_trace
         print("\n".join("  " + line for line in kernel_trace.report(summary["kernel_trace"])))
 
 
