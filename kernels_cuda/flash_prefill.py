@@ -114,13 +114,17 @@ def tiles(q_lens: np.ndarray, kv_lens: np.ndarray | None = None) -> tuple[np.nda
 def flash_prefill(q: cp.ndarray, tile_seq: cp.ndarray, tile_q0: cp.ndarray, seq_q_start: cp.ndarray,
                   seq_q_len: cp.ndarray, seq_kv_len: cp.ndarray, k_ptrs: cp.ndarray, v_ptrs: cp.ndarray,
                   layer_offset: int, num_kv_heads: int, scale: float, out: cp.ndarray, window: int = 0,
-                  kv_fp8: bool = False, max_keys: int = 0) -> cp.ndarray:
+                  kv_fp8: bool = False, max_keys: int = 0, tiles_on_device: cp.ndarray | None = None
+                  ) -> cp.ndarray:
     """out (T, H, D): each sequence's queries attend causally to its cached keys
     [0, seq_kv_len) (the chunk's own keys already written), grouped by KV head.
     kv_fp8: the cache holds float8 e4m3 instead of q's 16-bit type. max_keys: the longest
     seq_kv_len, as the host knows it (picks the kernel, use_wgmma, and flash_prefill.cu's heads a
     block, heads_per_block). On Hopper flash_prefill_wgmma.cu runs where use_wgmma holds; both
-    kernels give the same bits."""
+    kernels give the same bits. tiles_on_device: an int32 device array of one element, the count
+    of tile_seq's first tiles to run, which the kernel reads; the launch then takes a whole wave
+    of blocks whatever that count, so that a graph replays it for any step's tiles (tile_seq
+    sized for the most). Only flash_prefill_wgmma.cu reads it: use_wgmma must hold."""
     if q.ndim != 3:
         raise ValueError(f"q: expected (T, heads, head_dim), got {q.shape}")
     T, H, D = q.shape
@@ -141,6 +145,10 @@ def flash_prefill(q: cp.ndarray, tile_seq: cp.ndarray, tile_q0: cp.ndarray, seq_
     check(out, "out", q.dtype, (T, H, D))
     if n_tiles > 65535:
         raise ValueError(f"{n_tiles} query tiles: at most 65535 in a launch")
+    if tiles_on_device is not None:
+        check(tiles_on_device, "tiles_on_device", np.int32, (1,))
+        if not use_wgmma(D, max_keys):
+            raise ValueError("tiles_on_device: only flash_prefill_wgmma.cu reads the tile count on the device")
     if not n_tiles:
         return out
     args = (q, out, tile_seq, tile_q0, seq_q_start, seq_q_len, seq_kv_len, k_ptrs, v_ptrs, i64(layer_offset), i32(H),
@@ -154,11 +162,15 @@ def flash_prefill(q: cp.ndarray, tile_seq: cp.ndarray, tile_q0: cp.ndarray, seq_
                      MIN_BLOCKS=WGMMA_MIN_BLOCKS[D], PINGPONG=int(WGMMA_PINGPONG and heads == 2))
         kernel = function(mod, "flash_prefill_wgmma", smem)
         items = n_tiles * (H // heads)  # persistent: as many blocks as fit at once take the items in turn
-        grid = min(items, WGMMA_MAX_BLOCKS or sm_count() * blocks_per_sm(kernel, threads, smem))
+        wave = WGMMA_MAX_BLOCKS or sm_count() * blocks_per_sm(kernel, threads, smem)
+        grid = wave if tiles_on_device is not None else min(items, wave)
         # more items a block than its table holds (a step of > ~84k prompt tokens at 8B's heads): flash_prefill.cu
         if -(-items // grid) <= WGMMA_ITEM_CAP:
-            kernel((grid,), (threads,), (*args, i32(n_tiles)), shared_mem=smem)
+            kernel((grid,), (threads,), (*args, i32(n_tiles), i64(0) if tiles_on_device is None else tiles_on_device),
+                   shared_mem=smem)
             return out
+        if tiles_on_device is not None:
+            raise ValueError(f"tiles_on_device: {n_tiles} tiles are more than {grid} blocks' tables hold")
     heads = heads_per_block(H, num_kv_heads, max_keys)
     smem = smem_bytes(D, kv_fp8, heads)
     mod = module("flash_prefill", USE_BF16=use_bf16(q), HEAD_DIM=D, KV_FP8=int(kv_fp8), HEADS=heads)

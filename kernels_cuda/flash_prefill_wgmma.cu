@@ -128,8 +128,10 @@ __device__ __forceinline__ int item_index(int r, int items) {
 // a pause; each consumer warpgroup brings the next item's Q in (cp.async) while it works on this
 // one.
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_prefill_wgmma(
-    PREFILL_ATTENTION_ARGS, int tiles) {  // tiles: tile_seq's length
+    PREFILL_ATTENTION_ARGS, int tiles_given,  // tiles_given: tile_seq's length, or
+    const int *__restrict__ tiles_on_device) {  // where not null, that length read here (a graph's step)
     PDL_ENTER();
+    const int tiles = tiles_on_device ? *tiles_on_device : tiles_given;
     extern __shared__ unsigned char smem_raw[];
     unsigned char *smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
     unsigned char *sQ = smem;                        // HEADS x 2 x [ATOMS][64 rows][128 B]

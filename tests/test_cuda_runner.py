@@ -390,24 +390,40 @@ def test_prompt_attention_on_wgmma_gives_the_same_logits(tmp_path, kv_dtype, dty
         np.testing.assert_array_equal(on, off)
 
 
-@pytest.mark.parametrize("name,kv_dtype,quant,dtype", [
-    ("llama_hd64", "auto", None, "auto"), ("llama_hd64", "fp8", "fp8", "bfloat16"), ("qwen2", "auto", None, "bfloat16"),
-    ("mistral", "auto", None, "auto")])
-@pytest.mark.parametrize("eager", [False, True])
+TAIL_MODELS = [("llama_hd64", "auto", None, "auto"), ("llama_hd64", "fp8", "fp8", "bfloat16"),
+               ("qwen2", "auto", None, "bfloat16"), ("mistral", "auto", None, "auto")]
+
+
+def attention_in_graph(monkeypatch) -> None:
+    """Runners built after this hold a ragged step's attention in its graphs (ATTENTION_IN_GRAPH)
+    for a head-dim-64 model too: its prompt attention on flash_prefill_wgmma.cu at every length."""
+    import kernels_cuda.flash_prefill as fp
+    from kernels_cuda._module import wgmma_supported
+    if not wgmma_supported():
+        pytest.skip("the prompts' attention reads its tile count on the device in flash_prefill_wgmma.cu: sm_90")
+    monkeypatch.setattr(fp, "WGMMA_MIN_KEYS", dict.fromkeys(fp.WGMMA_MIN_KEYS, 0))
+
+
+@pytest.mark.parametrize("name,kv_dtype,quant,dtype,eager,in_graph",
+                         [(*m, eager, False) for m in TAIL_MODELS for eager in (False, True)]
+                         + [(*m, False, True) for m in TAIL_MODELS[:2]])
 def test_ragged_steps_run_their_last_layer_for_the_sampling_rows_only(tmp_path, name, kv_dtype, quant, dtype, eager,
-                                                                      monkeypatch):
+                                                                      in_graph, monkeypatch):
     """A ragged step of more than 16 tokens runs its last layer past the K/V write for the rows
     that sample only (sampled_tail, on by default): 20 decode rows beside a prompt that samples
     and a chunk that does not (21 rows: the cuBLAS path), a lone prompt (1 row: the skinny GEMM,
     from a bfloat16 stream into a float32 one), 3 decode rows beside two prompts (5 rows). Their
     logits stay as close to the whole last layer's as products of another row count allow
     (fp8: its activations quantized at 21 rows, not at 1-5), and the K/V the step leaves is the
-    same: the decode step after it gives the same logits, bit for bit. Graphed and eager."""
+    same: the decode step after it gives the same logits, bit for bit. Graphed (in_graph: the
+    graphs hold every layer's attention but the last's) and eager."""
     from engine.runner.cuda_runner import CudaRunner
+    if in_graph:
+        attention_in_graph(monkeypatch)
     model = load_model(str(build_tiny_model(tmp_path, name, seed=5)), with_tokenizer=False)
     gpu = cuda_runner(model, max_model_len=REGION, max_num_seqs=32, kv_dtype=kv_dtype, quantization=quant,
                       dtype=dtype, eager=eager)
-    assert gpu.sampled_tail and bool(gpu.ragged_graphs) != eager
+    assert gpu.sampled_tail and bool(gpu.ragged_graphs) != eager and gpu.ragged_attention_in_graph == in_graph
     tails = []
     tail = CudaRunner._sampled_tail
     monkeypatch.setattr(CudaRunner, "_sampled_tail", lambda self, *a: tails.append(a[2]) or tail(self, *a))
@@ -512,32 +528,43 @@ class CountedGraph:
         self.graph.launch(stream)
 
 
+@pytest.mark.parametrize("in_graph", [False, True], ids=["pieces", "in-graph"])
 @pytest.mark.parametrize("kv_dtype,quant", [("auto", None), ("fp8", "fp8")])
-def test_ragged_steps_replay_their_layers_graphs(tmp_path, kv_dtype, quant):
+def test_ragged_steps_replay_their_layers_graphs(tmp_path, kv_dtype, quant, in_graph, monkeypatch):
     """Prefill and mixed steps of up to RAGGED_GRAPH_TOKENS[-1] tokens replay their layers'
-    graphs (padded to the next captured token count), with the attention launched between
-    them: at a captured count, the logits of every token are the eager path's, bit for bit;
-    padded, as close as products of another row count allow (cuBLAS may pick another kernel);
-    past the largest count the step runs eagerly."""
+    graphs (padded to the next captured token count): in a piece a layer with the attention
+    launched between them, or (in_graph, ATTENTION_IN_GRAPH) in two pieces whose first holds
+    every layer's attention but the last's. At a captured count, the logits of every token are
+    the eager path's, bit for bit (the mixed step's 10 decode rows take the split plan of the
+    graph's 16: the same bucket); padded, as close as products of another row count allow
+    (cuBLAS may pick another kernel); past the largest count the step runs eagerly."""
+    from engine.runner import cuda_runner as runner_module
     from engine.runner.cuda_runner import RAGGED_GRAPH_TOKENS
+    if in_graph:
+        attention_in_graph(monkeypatch)
+    else:
+        monkeypatch.setattr(runner_module, "ATTENTION_IN_GRAPH", False)
     model = load_model(str(build_tiny_model(tmp_path, "llama_hd64", seed=5)), with_tokenizer=False)
     runners = {graphed: cuda_runner(model, max_model_len=REGION, kv_dtype=kv_dtype, quantization=quant,
                                     eager=not graphed, budget=RAGGED_GRAPH_TOKENS[-1] + REGION)
                for graphed in (True, False)}
     assert not runners[False].ragged_graphs
     graphed = runners[True]
+    assert graphed.ragged_attention_in_graph == in_graph
     assert list(graphed.ragged_graphs) == [t for t in RAGGED_GRAPH_TOKENS if t <= graphed.max_tokens]
     counts: list = []
     layers = graphed.config.num_layers
-    graphed.ragged_graphs = {t: [CountedGraph(g, counts) for g in pieces] for t, pieces in graphed.ragged_graphs.items()}
-    assert all(len(pieces) == layers + 1 for pieces in graphed.ragged_graphs.values())
+    graphed.ragged_graphs = {t: [(CountedGraph(g, counts), offset) for g, offset in pieces]
+                             for t, pieces in graphed.ragged_graphs.items()}
+    per_step = 2 if in_graph else layers + 1
+    assert all(len(pieces) == per_step for pieces in graphed.ragged_graphs.values())
     r = np.random.default_rng(8)
-    first = [r.integers(0, VOCAB, n).tolist() for n in (40, 24)]  # 64 tokens: a captured count
+    first = [r.integers(0, VOCAB, n).tolist() for n in (10, 6, 8, 4, 7, 5, 9, 3, 6, 6)]  # 64 tokens: a captured count
     mixed = SchedulerOutput([ScheduledSeq(i, [9 + i], len(p), i * REGION, True) for i, p in enumerate(first)]
-                            + [ScheduledSeq(2, r.integers(0, VOCAB, 126).tolist(), 0, 2 * REGION, True)])  # 128
+                            + [ScheduledSeq(10, r.integers(0, VOCAB, 118).tolist(), 0, 10 * REGION, True)])  # 128
     padded = [prefill_step([r.integers(0, VOCAB, n).tolist() for n in (5,)]),  # 5 -> 16: the skinny GEMM
-              SchedulerOutput([ScheduledSeq(3, r.integers(0, VOCAB, 150).tolist(), 0, 3 * REGION, True),
-                               ScheduledSeq(4, r.integers(0, VOCAB, 30).tolist(), 0, 4 * REGION, True)])]  # 180 -> 192
+              SchedulerOutput([ScheduledSeq(11, r.integers(0, VOCAB, 150).tolist(), 0, 11 * REGION, True),
+                               ScheduledSeq(12, r.integers(0, VOCAB, 30).tolist(), 0, 12 * REGION, True)])]  # 180: 192
     exact = [prefill_step(first), mixed]
     for step in exact + padded:
         got = {g: runner.forward(step, all_logits=True) for g, runner in runners.items()}
@@ -545,13 +572,13 @@ def test_ragged_steps_replay_their_layers_graphs(tmp_path, kv_dtype, quant):
             np.testing.assert_array_equal(got[True], got[False])
         else:
             assert_close_logits(got)
-    assert len(counts) == len(exact + padded) * (layers + 1)
+    assert len(counts) == len(exact + padded) * per_step
     big = max(graphed.ragged_graphs) + 1  # in pieces of at most REGION - 1 tokens
     assert big <= graphed.max_tokens and graphed._ragged_graph_tokens(big) is None
     sizes = [REGION - 1] * (big // (REGION - 1)) + [big % (REGION - 1)]
-    graphed.forward(SchedulerOutput([ScheduledSeq(5 + i, [1] * n, 0, (5 + i) * REGION, False)
+    graphed.forward(SchedulerOutput([ScheduledSeq(13 + i, [1] * n, 0, (13 + i) * REGION, False)
                                      for i, n in enumerate(sizes) if n]))
-    assert len(counts) == len(exact + padded) * (layers + 1)  # eagerly: no graph launched
+    assert len(counts) == len(exact + padded) * per_step  # eagerly: no graph launched
 
 
 def assert_close_logits(got: dict) -> None:

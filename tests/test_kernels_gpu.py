@@ -1499,7 +1499,9 @@ def test_flash_prefill(kernel, kv8, heads, window, D, monkeypatch):
     two query heads of a KV head (flash_prefill.cu: what a launch with a long sequence gets,
     flash_prefill.heads_per_block; flash_prefill_wgmma.cu: two consumer warpgroups) give the
     bits of blocks that take one. flash_prefill_wgmma.cu gives flash_prefill.cu's bits, also
-    with three persistent blocks taking every work item in turn."""
+    with three persistent blocks taking every work item in turn, and with the tile count read
+    on the device (tiles_on_device: a graph's launch) from tile arrays longer than it: the same
+    bits, and the rows of tiles past the count stay unwritten; flash_prefill.cu refuses it."""
     import kernels_cuda.flash_prefill as fp
     from kernels_cuda._module import wgmma_supported
     if kernel == "wgmma" and not wgmma_supported():
@@ -1529,6 +1531,24 @@ def test_flash_prefill(kernel, kv8, heads, window, D, monkeypatch):
         outs[most] = cp.full((T, H, D), np.nan, np.float16)
         fp.flash_prefill(*args, outs[most], window, kv_fp8=kv8, max_keys=fp.SHARE_MIN_KEYS * (most - 1))
     np.testing.assert_array_equal(cp.asnumpy(outs[2]), cp.asnumpy(outs[1]))
+    longer = (cp.asarray(np.concatenate([tile_seq, tile_seq[:2]])), cp.asarray(np.concatenate([tile_q0, tile_q0[:2]])))
+    on_device = (args[0], *longer, *args[3:])
+    if kernel == "mma":
+        with pytest.raises(ValueError, match="tiles_on_device"):
+            fp.flash_prefill(*on_device, outs[1], window, kv_fp8=kv8, tiles_on_device=cp.zeros(1, np.int32))
+    else:
+        s_last, q0_last = int(tile_seq[-1]), int(tile_q0[-1])  # the tile with the fewest keys
+        unrun = np.zeros(T, bool)
+        unrun[q_start[s_last] + q0_last:q_start[s_last] + min(q0_last + fp.BLOCK_M, q_lens[s_last])] = True
+        for count in (len(tile_seq), len(tile_seq) - 1):
+            got = cp.full((T, H, D), np.nan, np.float16)
+            fp.flash_prefill(*on_device, got, window, kv_fp8=kv8, tiles_on_device=cp.asarray([count], np.int32))
+            got = cp.asnumpy(got)
+            if count < len(tile_seq):
+                assert np.isnan(got[unrun]).all()
+                np.testing.assert_array_equal(got[~unrun], cp.asnumpy(outs[1])[~unrun])
+            else:
+                np.testing.assert_array_equal(got, cp.asnumpy(outs[1]))
     if kernel == "wgmma":
         # three persistent blocks, each taking work items of several sequences and heads
         monkeypatch.setattr(fp, "WGMMA_MAX_BLOCKS", 3)

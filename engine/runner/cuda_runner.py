@@ -10,8 +10,9 @@ smallest batch bucket >= B (padding rows point at a spare KV slot and change
 nothing). Steps with prefill chunks run as one ragged batch (cuBLAS GEMMs + the
 flash-attention prefill kernel), their inputs staged in one copy too: up to
 RAGGED_GRAPH_TOKENS[-1] tokens they replay graphs of the layers captured for the next
-token count (piecewise: the attention, whose launch follows the step's sequences, runs
-between the pieces); larger steps, bound by the device, launch eagerly. Sampling runs on
+token count (with every layer's attention but the last's where the prompts' attention reads
+its tile count on the device, else in pieces with the attention, whose launch follows the
+step's sequences, between them); larger steps, bound by the device, launch eagerly. Sampling runs on
 the GPU; only the sampled ids
 (and requested logprobs) come back. `submit` launches a step and returns a function that
 waits for it, so the engine can use the host meanwhile; `execute` is the two in one.
@@ -41,7 +42,7 @@ from kernels_cuda.flash_decode import KEYS as FLASH_KEYS
 from kernels_cuda.flash_decode import MAX_SPLITS as FLASH_MAX_SPLITS
 from kernels_cuda.flash_decode import flash_decode, qk_wgmma
 from kernels_cuda.flash_prefill import BLOCK_M as PREFILL_TILE
-from kernels_cuda.flash_prefill import flash_prefill, tiles
+from kernels_cuda.flash_prefill import flash_prefill, tiles, use_wgmma
 from kernels_cuda.gemm import (gemm, gemm_fp8, gemm_fp8_scaled, rows_bucket, tune_gemm_fp8, tune_gemm_fp8_wgmma,
                                wgmma_supported)
 from kernels_cuda.gemv import MAX_ROWS as GEMV_MAX_ROWS
@@ -157,6 +158,15 @@ FUSE_MLP = False
 # token samples (or its prompt's logprobs are asked for). False: every token through the last
 # layer, as before.
 SAMPLED_TAIL = True
+
+# A ragged step's graph holds every layer's attention but the last's (CudaRunner._capture_ragged)
+# where the prompts' attention is flash_prefill_wgmma.cu at every length (Hopper, head dim 128):
+# the decode rows' attention over the graph's most rows (those past the step's take no keys) and
+# the prompts' over its most tiles (the kernel reads the step's count). Else, or False, the graph
+# is cut before each layer's attention, which is launched between the pieces: H200, 8B fp8
+# serving, the pieces' ends and the eager launches left the device idle ~5-6 us a layer (the
+# fifty-fourth session's kernel trace).
+ATTENTION_IN_GRAPH = True
 
 # A GGUF checkpoint's LM head stored as Q8_0 (the tied embedding, or `output`) is also kept on the
 # device as it is (a Q8Matrix: int8 codes and a float16 scale a block of 32, 1.06 bytes a value),
@@ -370,7 +380,8 @@ class StagedInputs:
 
 RAGGED_TOKENS = {"tok_ids": np.int32, "tok_pos": np.int32, "tok_src": np.int32, "tok_k": np.int64, "tok_v": np.int64}
 RAGGED_SEQS = {"q_start": np.int32, "q_len": np.int32, "kv_len": np.int32, "seq_k": np.int64, "seq_v": np.int64,
-               "last_tok": np.int64, "last_len": np.int32, "last_k": np.int64, "last_v": np.int64}
+               "last_tok": np.int64, "last_len": np.int32, "last_k": np.int64, "last_v": np.int64,
+               "dec_len": np.int32}
 RAGGED_TILES = {"tile_seq": np.int32, "tile_q0": np.int32}
 
 
@@ -379,11 +390,13 @@ def ragged_fields(tokens: int) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
     per token its id, position, where its id is in `sampled` (_token_sources) and its K/V
     slot pointers; per sequence where its queries start, how many, its keys and its K/V
     pointers; per sequence that samples its last token's row, its keys and K/V pointers
-    (CudaRunner._sampled_tail); the prompts' tiles for flash_prefill (one per 64
-    queries: at most tokens / 64 + one a sequence)."""
+    (CudaRunner._sampled_tail); the keys of the leading decode rows and zeros past them
+    (dec_len: a graph's decode attention, ATTENTION_IN_GRAPH); the prompts' tiles for
+    flash_prefill (one per 64 queries: at most tokens / 64 + one a sequence) and their count
+    (n_tiles: a graph's prompt attention)."""
     tiles_max = tokens + tokens // PREFILL_TILE + 1
     return {**{name: (dt, (tokens,)) for name, dt in {**RAGGED_TOKENS, **RAGGED_SEQS}.items()},
-            **{name: (dt, (tiles_max,)) for name, dt in RAGGED_TILES.items()}}
+            **{name: (dt, (tiles_max,)) for name, dt in RAGGED_TILES.items()}, "n_tiles": (np.int32, (1,))}
 
 
 class HostOutputs:
@@ -620,7 +633,9 @@ class CudaRunner:
         self._sampled_at: dict[int, int] = {}
         self.graphs: dict[int, tuple[cp.cuda.Graph, cp.cuda.Graph]] = {}  # bucket -> one a host side
         # token count -> the graphs of a ragged step's layers between its attentions (_capture_ragged)
-        self.ragged_graphs: dict[int, list[cp.cuda.Graph]] = {}
+        # with the layer offset of the attention launched after each (None: the last piece)
+        self.ragged_graphs: dict[int, list[tuple[cp.cuda.Graph, int | None]]] = {}
+        self.ragged_attention_in_graph = False  # whether they hold the attention (_capture_ragged)
         if self.quant_fp8:
             self._tune_products()
         if not self.enforce_eager:
@@ -1261,27 +1276,40 @@ class CudaRunner:
 
     def _capture_ragged(self) -> None:
         """The graphs of ragged steps (RAGGED_GRAPH_TOKENS): for each token count, _ragged_body
-        captured in pieces, one before each layer's attention and the last after the final
-        norm. The attention callback ends a piece and starts the next; at a step, the pieces
-        replay with the step's attention launched between them (_submit_varlen). Padding
-        tokens (_pad_ragged) write their K/V into the spare slot. Captured with programmatic
-        dependent launch, as the decode graphs are."""
+        captured in pieces, cut before a layer's attention, the last piece after the final norm;
+        at a step, the pieces replay with the step's attention launched between them
+        (_submit_varlen). Where ATTENTION_IN_GRAPH holds (ragged_attention_in_graph), every layer's
+        attention but the last's is in the graph (_graph_attention): two pieces, cut before the
+        last layer's attention (where _sampled_tail takes the rows that sample on). Else a piece a
+        layer. Padding tokens (_pad_ragged) write their K/V into the spare slot. Captured with
+        programmatic dependent launch, as the decode graphs are."""
         sizes = [t for t in RAGGED_GRAPH_TOKENS if t <= self.max_tokens]
         if not sizes:
             return
-        ragged = self.buffers.ragged
-        self._pad_ragged(ragged.writable(), 0, sizes[-1])
+        cfg, ragged = self.config, self.buffers.ragged
+        in_graph = self.ragged_attention_in_graph = ATTENTION_IN_GRAPH and use_wgmma(cfg.head_dim, 0)
+        last = (cfg.num_layers - 1) * self._layer_elems
+        g = ragged.writable()
+        self._pad_ragged(g, 0, sizes[-1])
+        g["dec_len"][:] = 0  # no decode row takes keys, no prompt tile runs
+        g["n_tiles"][0] = 0
         self._launch_pdl = self.pdl
         try:
             with self.stream:
                 ragged.upload(self.stream)
                 for T in sizes:
-                    self._ragged_body(T, lambda offset: None)  # warm-up: compiles, plans the products
+                    def attention(offset: int) -> None:
+                        if in_graph and offset != last:
+                            self._graph_attention(T, offset)
+                    self._ragged_body(T, attention)  # warm-up: compiles, plans the products
                     self.stream.synchronize()
-                    pieces: list[cp.cuda.Graph] = []
+                    pieces: list[tuple[cp.cuda.Graph, int | None]] = []
 
                     def split(offset: int) -> None:
-                        pieces.append(self.stream.end_capture())
+                        if in_graph and offset != last:
+                            self._graph_attention(T, offset)
+                            return
+                        pieces.append((self.stream.end_capture(), offset))
                         self.stream.begin_capture()
                     self.stream.begin_capture()
                     try:
@@ -1291,11 +1319,63 @@ class CudaRunner:
                         continue
                     finally:
                         if self.stream.is_capturing():
-                            pieces.append(self.stream.end_capture())
+                            pieces.append((self.stream.end_capture(), None))
                     self.ragged_graphs[T] = pieces
                 self.stream.synchronize()
         finally:
             self._launch_pdl = False
+
+    def _graph_tiles(self, T: int) -> int:
+        """The most prompt tiles a ragged step of up to T tokens has: one per 64 queries and one
+        more a sequence, of which a step has at most `rows` (_submit_varlen runs a step with more
+        eagerly)."""
+        return T // PREFILL_TILE + min(T, self.rows)
+
+    def _graph_attention(self, T: int, offset: int) -> None:
+        """Layer `offset`'s attention in the graph of ragged steps of up to T tokens
+        (ATTENTION_IN_GRAPH): the decode attention over min(rows, T) rows, their keys dec_len
+        (zero past the step's decode rows: those blocks write nothing), and the prompts' over
+        _graph_tiles(T) tiles, of which the kernel runs the step's count (n_tiles)."""
+        d = self.buffers.ragged.dev
+        self._ragged_attention(offset, min(self.rows, T), d["dec_len"], T, self._graph_tiles(T), self.max_model_len,
+                               d["n_tiles"])
+
+    def _ragged_attention(self, offset: int, nd: int, dec_lens: cp.ndarray, seqs: int, n_tiles: int, max_keys: int,
+                          tiles_on_device: cp.ndarray | None = None) -> None:
+        """Layer `offset`'s attention in a ragged step, from the staged inputs (its q rotated, its
+        K/V written): the first nd rows, one token each, by split-KV decoding over dec_lens[:nd]
+        keys, and the prompts' first n_tiles tiles (their sequences among the first `seqs`; the
+        longest max_keys keys) by flash_prefill, on the side stream beside the decode rows' where
+        both run (overlap_attention: the two read the same q and K/V and write other rows of
+        attn_out). tiles_on_device: the count of tiles to run, read on the device (a graph's
+        launch, n_tiles then the most it may be)."""
+        cfg, b = self.config, self.buffers
+        d = b.ragged.dev
+        self._mark_near_end(offset)
+
+        def prefill() -> None:
+            flash_prefill(b.q_rot, d["tile_seq"][:n_tiles], d["tile_q0"][:n_tiles],
+                          *(d[name][:seqs] for name in ("q_start", "q_len", "kv_len", "seq_k", "seq_v")), offset,
+                          cfg.num_kv_heads, cfg.softmax_scale, b.attn_out, cfg.sliding_window or 0, kv_fp8=self.kv_fp8,
+                          max_keys=max_keys, tiles_on_device=tiles_on_device)
+
+        def decode() -> None:
+            self._decode_attention(nd, b.q_rot[:nd], d["seq_k"][:nd], d["seq_v"][:nd], dec_lens[:nd], offset)
+
+        if nd and n_tiles and self.overlap_attention:
+            ready, done = self._side_events
+            ready.record(self.stream)
+            self._side_stream.wait_event(ready)
+            with self._side_stream:
+                prefill()
+            done.record(self._side_stream)
+            decode()
+            self.stream.wait_event(done)
+            return
+        if nd:
+            decode()
+        if n_tiles:
+            prefill()
 
     def _pad_ragged(self, g: dict[str, np.ndarray], start: int, end: int) -> None:
         """Tokens [start, end) of a ragged step's staged inputs as padding: token 0 at position
@@ -1720,9 +1800,8 @@ class CudaRunner:
         nd = min(nd, self.rows)
         tile_seq, tile_q0 = tiles(q_lens[nd:], kv_lens[nd:])
         n_tiles = tile_seq.size
-        g["tile_seq"][:n_tiles] = tile_seq
+        g["tile_seq"][:n_tiles] = tile_seq + nd  # the prompts' sequences come after the decode rows
         g["tile_q0"][:n_tiles] = tile_q0
-        max_keys = int(kv_lens[nd:].max(initial=0))
         logit_rows = [i for i, r in enumerate(rows) if r.sample]
         n = len(logit_rows)
         g["last_tok"][:n] = (q_start + q_lens - 1)[logit_rows]
@@ -1735,6 +1814,13 @@ class CudaRunner:
         tok_src = self._token_sources(rows, q_start, T)
         g["tok_src"][:T] = -1 if tok_src is None else tok_src
         graphed = self._ragged_graph_tokens(T)
+        if graphed is not None and self.ragged_attention_in_graph:
+            if S > self.rows:  # more prompt tiles than the graph's attention takes (_graph_tiles): eagerly
+                graphed = None
+            else:
+                g["dec_len"][:nd] = kv_lens[:nd]
+                g["dec_len"][nd:min(self.rows, graphed)] = 0
+                g["n_tiles"][0] = n_tiles
         if graphed is not None:
             self._pad_ragged(g, T, graphed)
         if n:
@@ -1746,52 +1832,23 @@ class CudaRunner:
             b.ragged.upload(self.stream)
             if n:
                 b.inputs.upload(self.stream, upto=None if extra else "banned_n")
-            # the attention's views (the per-token fields are read at their own lengths by
-            # _ragged_body or the captured pieces, last_tok by _sample_rows)
-            staged = b.ragged.dev
-            dev = {name: staged[name][:S] for name in ("q_start", "q_len", "kv_len", "seq_k", "seq_v")}
-            dev.update({name: staged[name][:n_tiles] for name in RAGGED_TILES})
             self._sampled_at = {rows[i].seq_id: j for j, i in enumerate(logit_rows)}
-            window = cfg.sliding_window or 0
-            decode_args = (b.q_rot[:nd], dev["seq_k"][:nd], dev["seq_v"][:nd], dev["kv_len"][:nd])
-            prefill_seqs = tuple(dev[name][nd:] for name in ("q_start", "q_len", "kv_len", "seq_k", "seq_v"))
-
-            def prefill_attention(offset: int) -> None:
-                flash_prefill(b.q_rot[:T], dev["tile_seq"], dev["tile_q0"], *prefill_seqs, offset,
-                              cfg.num_kv_heads, cfg.softmax_scale, b.attn_out[:T], window, kv_fp8=self.kv_fp8,
-                              max_keys=max_keys)
+            max_keys = int(kv_lens[nd:].max(initial=0))
 
             def attention(offset: int) -> None:
-                self._mark_near_end(offset)
-                if nd and nd < len(rows) and self.overlap_attention:
-                    # the two read the same q and K/V and write other rows of attn_out: the
-                    # prompts' tiles on the side stream, the decode rows' splits beside them
-                    ready, done = self._side_events
-                    ready.record(self.stream)
-                    self._side_stream.wait_event(ready)
-                    with self._side_stream:
-                        prefill_attention(offset)
-                    done.record(self._side_stream)
-                    self._decode_attention(nd, *decode_args, offset)
-                    self.stream.wait_event(done)
-                    return
-                if nd:
-                    self._decode_attention(nd, *decode_args, offset)
-                if nd < len(rows):
-                    prefill_attention(offset)
+                self._ragged_attention(offset, nd, b.ragged.dev["kv_len"], S, n_tiles, max_keys)
 
             if graphed is None:
                 self._ragged_body(T, attention, n if sampled_tail else 0)
-            else:  # the layers' graphs, the attention between them
-                pieces = self.ragged_graphs[graphed]
-                for i, piece in enumerate(pieces[:-1]):
+            else:  # the layers' graphs, the attention they leave out between them
+                for piece, offset in self.ragged_graphs[graphed]:
                     piece.launch(self.stream)
-                    if sampled_tail and i == len(pieces) - 2:  # the last layer's rows that sample, eagerly
-                        self._sampled_tail(self._residual(T), T, n)
+                    if offset is None:
                         break
-                    attention(i * self._layer_elems)
-                else:
-                    pieces[-1].launch(self.stream)
+                    if sampled_tail and offset == (cfg.num_layers - 1) * self._layer_elems:
+                        self._sampled_tail(self._residual(T), T, n)  # the last layer's rows that sample, eagerly
+                        break
+                    attention(offset)
             result = RunnerOutput()
             for i in prompt_rows:
                 result.prompt_logprobs[rows[i].seq_id] = self._prompt_logprobs(rows[i], int(q_start[i]))
