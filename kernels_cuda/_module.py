@@ -321,6 +321,24 @@ def sm90_or_newer() -> bool:
     return _sm90_or_newer(cp.cuda.Device().id)
 
 
+CU_EVENT_RECORD_EXTERNAL = 1
+
+
+def record_event(event: cp.cuda.Event, stream: cp.cuda.Stream) -> None:
+    """event.record(stream), except that while the stream captures a graph, the record becomes a
+    node of the graph (cuEventRecordWithFlags, CU_EVENT_RECORD_EXTERNAL): each replay records the
+    event, and the host can wait for it. A plain record in a capture only orders the captured
+    streams; it adds no node, and the host cannot wait for the event until it is recorded again
+    (cudaErrorInvalidValue)."""
+    if not stream.is_capturing():
+        event.record(stream)
+        return
+    status = _cuda_driver().cuEventRecordWithFlags(ctypes.c_void_p(event.ptr), ctypes.c_void_p(stream.ptr),
+                                                   ctypes.c_uint(CU_EVENT_RECORD_EXTERNAL))
+    if status:
+        raise RuntimeError(f"cuEventRecordWithFlags failed: CUresult {status}")
+
+
 def pdl_supported() -> bool:
     """Programmatic dependent launch needs compute capability 9.0 (Hopper) or newer."""
     return sm90_or_newer()

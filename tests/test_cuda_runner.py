@@ -581,6 +581,54 @@ def test_ragged_steps_replay_their_layers_graphs(tmp_path, kv_dtype, quant, in_g
     assert len(counts) == len(exact + padded) * per_step  # eagerly: no graph launched
 
 
+def event_record_nodes(graph) -> int:
+    """The event-record nodes of a captured graph (CU_GRAPH_NODE_TYPE_EVENT_RECORD)."""
+    import ctypes
+
+    from kernels_cuda._module import _cuda_driver
+    driver, handle, n = _cuda_driver(), ctypes.c_void_p(graph.graph), ctypes.c_size_t(0)
+    assert driver.cuGraphGetNodes(handle, None, ctypes.byref(n)) == 0
+    nodes = (ctypes.c_void_p * n.value)()
+    assert driver.cuGraphGetNodes(handle, nodes, ctypes.byref(n)) == 0 and n.value > 0
+    kinds = []
+    for node in nodes:
+        kind = ctypes.c_int(-1)
+        assert driver.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind)) == 0
+        kinds.append(kind.value)
+    return kinds.count(7)
+
+
+@pytest.mark.parametrize("in_graph", [False, True], ids=["pieces", "in-graph"])
+def test_ragged_graphs_mark_where_a_step_nears_its_end(tmp_path, in_graph, monkeypatch):
+    """The mark wait_near_end waits for (SchedulerConfig.late_ahead), before layer
+    near_end_layer's attention of a ragged step, is recorded at each replay: where a graph
+    holds that attention (in_graph), as a node of it (a plain record in a capture adds none and
+    leaves the event one the host cannot wait for), else eagerly between the pieces; decode
+    graphs record none. A graphed mixed step, then wait_near_end: the step has passed the mark."""
+    from engine.runner import cuda_runner as runner_module
+    if in_graph:
+        attention_in_graph(monkeypatch)
+    else:
+        monkeypatch.setattr(runner_module, "ATTENTION_IN_GRAPH", False)
+    model = load_model(str(build_tiny_model(tmp_path, "llama_hd64", seed=5, config={"num_hidden_layers": 8})),
+                       with_tokenizer=False)
+    gpu = cuda_runner(model, max_model_len=REGION)
+    assert gpu.ragged_attention_in_graph == in_graph and gpu.near_end_layer == 6
+    for pieces in gpu.ragged_graphs.values():
+        assert [event_record_nodes(g) for g, _ in pieces] == ([1, 0] if in_graph else [0] * 9)
+    assert all(event_record_nodes(g) == 0 for both in gpu.graphs.values() for g in both)
+    r = np.random.default_rng(3)
+    prompts = [r.integers(0, VOCAB, n).tolist() for n in (30, 20)]
+    gpu.forward(prefill_step(prompts))
+    mixed = [ScheduledSeq(i, [5 + i], len(p), i * REGION, True, SamplingParams(temperature=0))
+             for i, p in enumerate(prompts)] + [ScheduledSeq(2, r.integers(0, VOCAB, 60).tolist(), 0, 2 * REGION, True,
+                                                             SamplingParams(temperature=0))]
+    finish = gpu.submit(SchedulerOutput(mixed))
+    gpu.wait_near_end()
+    assert gpu._near_end.done
+    assert sorted(finish().sampled) == [0, 1, 2]
+
+
 def assert_close_logits(got: dict) -> None:
     """Logits of a fused path (got[True]) against the separate kernels' (got[False]): as close
     as a change in the order of sums allows, and the same top token or one within rounding of

@@ -34,7 +34,7 @@ import numpy as np
 from kernels_cuda import attn_block as attn_block_module
 from kernels_cuda import attn_o as attn_o_module
 from kernels_cuda import mlp_block as mlp_block_module
-from kernels_cuda._module import pdl_supported, sm_count
+from kernels_cuda._module import pdl_supported, record_event, sm_count
 from kernels_cuda.activation import silu_mul
 from kernels_cuda.embedding import embedding, stage_in
 from kernels_cuda.flash_decode import BLOCKS_PER_SM as FLASH_BLOCKS_PER_SM
@@ -643,6 +643,7 @@ class CudaRunner:
         self._warm_up()
         if not self.enforce_eager:
             self._capture_ragged()
+        record_event(self._near_end, self.stream)  # passed: a first wait_near_end returns at once
         self.copy_bandwidth = measure_copy_bandwidth(self.stream)  # bytes/s, read + written
         self.weight_bytes = self._weight_bytes()
         self.last_roofline_fraction: float | None = None  # of the last decode step timed, for /metrics
@@ -1153,10 +1154,13 @@ class CudaRunner:
                      kv_fp8=self.kv_fp8, whole=plan.whole, short=plan.short)
 
     def _mark_near_end(self, offset: int) -> None:
-        """Record _near_end on the stream before the attention of layer near_end_layer (in a
-        decode graph, as one of its nodes)."""
+        """Record _near_end on the stream before the attention of layer near_end_layer of a ragged
+        step (in its graph, as one of the graph's nodes: record_event). Decode steps do not mark
+        it, so after one wait_near_end returns at once (the mark is the last ragged step's). That
+        is how decode steps had it before the ragged graphs held the attention: their graphs'
+        plain record added no node."""
         if offset == self._near_end_offset:
-            self._near_end.record(self.stream)
+            record_event(self._near_end, self.stream)
 
     def wait_near_end(self) -> None:
         """Wait until the last step submitted has reached the last quarter of its layers
@@ -1181,7 +1185,6 @@ class CudaRunner:
                   src=d["token_src"][:n], sampled=b.sampled)
 
         def attention(offset: int) -> None:
-            self._mark_near_end(offset)
             self._decode_attention(n, b.q_rot[:n], d["k_ptrs"][:n], d["v_ptrs"][:n], d["kv_lens"][:n], offset)
 
         down_scales, residual, delta = self._layers(n, (d["positions"][:n], d["k_ptrs"][:n], d["v_ptrs"][:n]),
