@@ -9,7 +9,7 @@ module then reads the trace and prints the summary (or, for a trace already writ
     python bench/serve.py --engine random:llama3-8b --quantization fp8 --kv-cache-dtype fp8 \\
         --max-num-batched-tokens 2048 --num-prompts 1024 --input-len 512 --output-len 128 \\
         --concurrency 256 --engine-process --kernel-trace out/ --kernel-trace-steps 250,30
-    python bench/kernel_trace.py out/kernels.json
+    python bench/kernel_trace.py out/kernels-2048.json  # DIR/kernels-BUDGET.json
 
 Steps are cut at each `embedding` kernel (every step of the CUDA runner starts with one); a
 step with a prompt attention kernel (flash_prefill*) is "with prompts", else "decode". The
@@ -130,7 +130,8 @@ def report(summary: dict, families: int = 12, gaps: int = 8) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("trace", help="a Chrome trace from torch.profiler (bench/serve.py --kernel-trace's kernels.json)")
+    ap.add_argument("trace", help="a Chrome trace from torch.profiler "
+                                  "(bench/serve.py --kernel-trace's DIR/kernels-BUDGET.json)")
     ap.add_argument("--json", help="write the summary here")
     args = ap.parse_args()
     summary = summarize(json.loads(Path(args.trace).read_text()))
