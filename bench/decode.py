@@ -29,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import settings  # noqa: E402
 from engine import Engine, EngineConfig, SamplingParams, SchedulerConfig  # noqa: E402
 from engine.config import CacheConfig  # noqa: E402
 from engine.engine import freeze_long_lived  # noqa: E402
@@ -112,7 +113,9 @@ def main() -> None:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=None)
     ap.add_argument("--json", help="write the results here")
+    settings.add_flag(ap)
     args = ap.parse_args()
+    chosen = settings.from_args(ap, args)
     sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
     batches = [int(b) for b in args.batch.split(",")]
     kv = int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None
@@ -123,7 +126,7 @@ def main() -> None:
                                                     max_num_batched_tokens=max(2048, max(batches)),
                                                     max_model_len=args.prompt_len + args.max_tokens + 16,
                                                     prompts_ahead=args.schedule_prompts_ahead))
-    engine = Engine(config)
+    engine = settings.build_engine(chosen, config)
     engine.start()
     run_batch(engine, 1, args.prompt_len, 8)  # warm-up: compile, allocate, touch memory
     freeze_long_lived()  # as the engine process does: no full collection walks the model mid-run

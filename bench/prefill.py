@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import settings  # noqa: E402
 from engine import Engine, EngineConfig, SamplingParams, SchedulerConfig  # noqa: E402
 from engine.config import CacheConfig, ModelConfig  # noqa: E402
 
@@ -89,14 +90,16 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="auto, float16 or bfloat16 (the server's setting; the floor "
                     "keeps the fp16 GEMM rate, which Hopper's bfloat16 products share)")
     ap.add_argument("--json")
+    settings.add_flag(ap)
     args = ap.parse_args()
+    chosen = settings.from_args(ap, args)
     lengths = [int(x) for x in args.lengths.split(",")]
     longest = max(lengths)
     config = EngineConfig(model=args.model, device=args.device, cache=CacheConfig(kv_cache_bytes=8 << 30),
                           quantization=args.quantization, fp8_accumulation=args.fp8_accumulation, dtype=args.dtype,
                           scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=longest,
                                                     max_model_len=longest + 16))
-    engine = Engine(config)
+    engine = settings.build_engine(chosen, config)
     engine.start()
     ttft(engine, min(lengths), 1)  # warm-up: compiles the prefill kernels
     fp8 = args.quantization == "fp8"

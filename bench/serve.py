@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import random
 import statistics
@@ -48,7 +49,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import kernel_trace  # noqa: E402
+from bench import kernel_trace, settings  # noqa: E402
 from bench.gpu_clocks import GpuClocks, describe  # noqa: E402
 
 
@@ -337,7 +338,7 @@ async def run_engine(args) -> list[dict]:
     """The load on the engine without HTTP, in this process or (--engine-process) in one of
     its own as the server runs it, once per token budget of --max-num-batched-tokens (the
     engine is built for the largest); a summary each."""
-    from engine import Engine, EngineConfig, SchedulerConfig
+    from engine import EngineConfig, SchedulerConfig
     from engine.config import CacheConfig
     from engine.engine_process import EngineProcess
     gib = int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None
@@ -349,7 +350,10 @@ async def run_engine(args) -> list[dict]:
                                   max_num_batched_tokens=max(args.budgets),
                                   max_model_len=args.input_len + args.output_len + 16,
                                   **scheduling_settings(args)))
-    engine = EngineProcess(config) if args.engine_process else Engine(config)
+    if args.engine_process:
+        engine = EngineProcess(config, build=functools.partial(settings.build_engine, args.settings))
+    else:
+        engine = settings.build_engine(args.settings, config)
     args.vocab = min(args.vocab, engine.model_config.vocab_size)
     prompts = make_prompts(args)
     summaries, traces = [], []
@@ -370,7 +374,7 @@ async def run_engine(args) -> list[dict]:
             trace = engine.call(_take_trace)
             summary = summarize(args, args.engine, results, end - start)
             summary.update(max_num_batched_tokens=budget, steps=step_summary(trace),
-                           step_seconds=sum(t[2] for t in trace), gpu=clocks.summary())
+                           step_seconds=sum(t[2] for t in trace), gpu=clocks.summary(), settings=args.set)
             if kernels is not None and Path(kernels[0]).exists():
                 summary["kernel_trace"] = kernel_trace.summarize(json.loads(Path(kernels[0]).read_text()))
             summaries.append(summary)
@@ -482,7 +486,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "where each kind of step's time goes; disturbs the load's throughput")
     engine.add_argument("--kernel-trace-steps", default="250,30", metavar="FIRST,COUNT",
                         help="the window: from the load's step FIRST, COUNT steps (default 250,30)")
+    settings.add_flag(engine)
     args = ap.parse_args(argv)
+    args.settings = settings.from_args(ap, args)
+    if args.settings and not args.engine:
+        ap.error("--set needs --engine (a server's engine is out of reach)")
     try:
         args.kernel_trace_window = tuple(int(v) for v in args.kernel_trace_steps.split(","))
         if len(args.kernel_trace_window) != 2 or min(args.kernel_trace_window) < 1:

@@ -51,7 +51,8 @@ def test_serve_bench_engine_mode_traces_every_step(smollm2_path, tmp_path, where
     args = serve.parse_args(["--engine", smollm2_path, "--device", "cpu", "--num-prompts", "6", "--input-len", "40",
                              "--output-len", "4", "--concurrency", "3", "--max-num-batched-tokens", "64,24",
                              "--max-num-seqs", "3", "--vocab", "40000", "--trace", str(trace)]
-                            + (["--engine-process"] if where == "process" else
+                            + (["--engine-process", "--set", "engine.engine.LATE_AHEAD_ARRIVALS_S=1.0"]
+                               if where == "process" else
                                ["--kernel-trace", str(tmp_path / "kt"), "--kernel-trace-steps", "2,3"]))
     if where == "thread":  # a stand-in for torch.profiler (bench/kernel_trace.py): when it runs, what it writes
         from bench import kernel_trace
@@ -81,6 +82,8 @@ def test_serve_bench_engine_mode_traces_every_step(smollm2_path, tmp_path, where
         assert calls == [("start", 2), ("stop", 5), ("export", paths[0]), ("start", 2), ("stop", 5), ("export", paths[1])]
         assert [s["kernel_trace"]["kinds"]["decode"]["span_us_p50"] for s in summaries] == [5, 5]
     assert [s["max_num_batched_tokens"] for s in summaries] == [64, 24] and len(traces) == 2
+    assert all(s["settings"] == (["engine.engine.LATE_AHEAD_ARRIVALS_S=1.0"] if where == "process" else [])
+               for s in summaries)
     for summary, steps in zip(summaries, traces):
         assert summary["completed"] == 6 and summary["output_throughput"] == 6 * 4 / summary["duration_s"]
         assert sum(t[1] for t in steps) == 6 * 40  # every prompt token, once
