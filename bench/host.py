@@ -13,13 +13,17 @@ step (time the host kept it waiting), and for HTTP the server process's CPU per 
 (and the engine process's CPU). The HTTP run's engine runs in a process of its own, as the
 server's does by default; --no-engine-process puts it on a thread of the server's process.
 
-The default cost model is the H200's for Llama-3-8B with fp8 weights and fp8 K/V (fitted
-from bench/serve.py --engine traces, docs/performance.md): 1.0 ms a step + 0.028 ms a decode
-row + 14.6 us a prompt token. With it, this came near the GPU's own serving runs on H200
-hosts (engine 10.2-10.6k tok/s against 9.4-10.0k, HTTP 9.8-10.3k against 8.3-9.6k). The
-numbers depend on the host's CPU: compare runs on one machine. --schedule-prompts-ahead and
+The default cost model is the H200's for Llama-3-8B with fp8 weights and fp8 K/V, bfloat16,
+as of the fifty-fifth session (docs/performance.md): 1.69 ms a step + 22.4 us a decode row +
+12.2 us a prompt token. It is fitted to three step times: a 256-row decode step (7.43 ms) and a
+step of 250 decode rows + 1,791 prompt tokens (29.1 ms), both p50s of bench/serve.py --engine
+loads, and a lone 512-token prompt's TTFT (7.92 ms, bench/prefill.py). With it, the engine
+alone here came to 12,541 / 12,547 tok/s on a 2-core CPU; the GPU's own loads gave 12,436-12,509.
+(The earlier model, 1.0 ms + 28 us + 14.6 us, was fitted at ~10k tok/s.) The numbers depend on
+the host's CPU: compare runs on one machine. --schedule-prompts-ahead and
 --late-ahead set the server's settings of those names in both runs (the stand-in marks the last
-quarter of a step for --late-ahead, as the CUDA runner does).
+quarter of a step with prompt tokens for --late-ahead, as the CUDA runner does; --sim-mark-decode:
+of decode-only steps too).
 """
 
 from __future__ import annotations
@@ -55,9 +59,10 @@ class SimRunner:
     device = "sim"
 
     def __init__(self, base: float, per_decode: float, per_prompt: float, chain_rows: int = 256,
-                 num_kv_slots: int = 1 << 22, eager_launch: float = 0.0) -> None:
+                 num_kv_slots: int = 1 << 22, eager_launch: float = 0.0, mark_decode: bool = False) -> None:
         self.cost = (base, per_decode, per_prompt)
         self.eager_launch = eager_launch  # host seconds a step with prompt tokens takes to launch
+        self.mark_decode = mark_decode  # decode-only steps mark their last quarter too (the CUDA runner's don't)
         self.chain_rows = chain_rows
         self.num_kv_slots = num_kv_slots
         self.busy_until = self.near_end = 0.0
@@ -83,7 +88,8 @@ class SimRunner:
         gap = now - self.busy_until
         entry[1] += gap if 0.0 < gap <= self.IDLE_MAX else 0.0
         end = self.busy_until = max(max(now, self.busy_until) + seconds, time.perf_counter())
-        self.near_end = end - seconds / 4  # the CUDA runner marks its last quarter of layers
+        if prompt or self.mark_decode:  # the CUDA runner marks the last quarter of a step with prompts
+            self.near_end = end - seconds / 4
         self.busy += seconds
         from engine.outputs import RunnerOutput
         sampled = {s.seq_id: 1000 + (s.seq_id * 7 + s.start_pos) % 5000 for s in out.seqs if s.sample}
@@ -99,7 +105,8 @@ class SimRunner:
         return self.submit(out)()
 
     def wait_near_end(self) -> None:
-        """As the CUDA runner's: until the last step submitted has a quarter left."""
+        """As the CUDA runner's: until the last step marked (one with prompt tokens, or any with
+        mark_decode) has a quarter left."""
         wait = self.near_end - time.perf_counter()
         if wait > 0:
             time.sleep(wait)
@@ -147,7 +154,8 @@ def build_engine(args, config=None):
     from engine.loader import load_model
     model = load_model(args.model, with_tokenizer=True)
     runner = SimRunner(args.sim_step_ms / 1e3, args.sim_decode_ms / 1e3, args.sim_prompt_us / 1e6,
-                       chain_rows=args.max_num_seqs, eager_launch=args.sim_eager_launch_ms / 1e3)
+                       chain_rows=args.max_num_seqs, eager_launch=args.sim_eager_launch_ms / 1e3,
+                       mark_decode=args.sim_mark_decode)
     return Engine(config or sim_config(args), model, runner=runner)
 
 
@@ -294,12 +302,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     serve.add_scheduling_flags(ap)
     ap.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                     help="as the server's setting: the HTTP run's engine in a process of its own (default)")
-    ap.add_argument("--sim-step-ms", type=float, default=1.0, help="cost model: ms a step")
-    ap.add_argument("--sim-decode-ms", type=float, default=0.028, help="cost model: ms a decode row")
-    ap.add_argument("--sim-prompt-us", type=float, default=14.6, help="cost model: us a prompt token")
+    ap.add_argument("--sim-step-ms", type=float, default=1.69, help="cost model: ms a step")
+    ap.add_argument("--sim-decode-ms", type=float, default=0.0224, help="cost model: ms a decode row")
+    ap.add_argument("--sim-prompt-us", type=float, default=12.2, help="cost model: us a prompt token")
     ap.add_argument("--sim-eager-launch-ms", type=float, default=0.0,
                     help="cost model: host ms to launch a step with prompt tokens (the CUDA runner's are eager, "
                          "kernel by kernel: H200, 8B fp8, ~10 ms for a 512-token prefill); decode graphs cost none")
+    ap.add_argument("--sim-mark-decode", action=argparse.BooleanOptionalAction, default=False,
+                    help="decode-only steps mark their last quarter for --late-ahead too (the CUDA runner marks "
+                         "only steps with prompt tokens)")
     ap.add_argument("--port", type=int, default=0, help="the HTTP run's server port (0: a free one)")
     ap.add_argument("--mode", choices=("both", "engine", "http"), default="both")
     ap.add_argument("--arrival-delay-ms", type=float, default=0.0,

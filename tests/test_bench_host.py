@@ -30,3 +30,19 @@ def test_engine_run_with_arrival_delays():
     assert delayed["duration_s"] >= slept / 8 > 0.8
     assert delayed["duration_s"] > plain["duration_s"]
     assert delayed["ttft_ms"]["p50"] < 50
+
+
+def test_the_stand_in_marks_the_near_end_of_steps_with_prompts_only():
+    """As the CUDA runner's: wait_near_end waits for the last quarter of the last step with prompt
+    tokens, not of a decode-only step after it (mark_decode: of that one too)."""
+    from engine.outputs import ScheduledSeq, SchedulerOutput
+
+    prompt = SchedulerOutput([ScheduledSeq(0, list(range(40)), 0, 0, True)])
+    decode = SchedulerOutput([ScheduledSeq(0, [5], 40, 0, True)])
+    for mark_decode in (False, True):
+        runner = host.SimRunner(0.0, 0.2, 0.001, mark_decode=mark_decode)  # a 40-ms prompt step, 200-ms decode steps
+        runner.submit(prompt)
+        mark = runner.near_end
+        assert mark == runner.busy_until - 0.040 / 4
+        runner.submit(decode)  # chained behind it: ends 200 ms later
+        assert runner.near_end == (runner.busy_until - 0.2 / 4 if mark_decode else mark)
