@@ -14,6 +14,14 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_STOP_CHARS = 16384
 
 
+class FieldError(ValueError):
+    """A request field the engine refuses (ValueError); `field` names it, as the API's param."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
 def check_stop_strings(stop) -> None:
     """Raise ValueError unless stop is a sequence of non-empty strings within MAX_STOP_CHARS."""
     if any(not isinstance(s, str) or not s for s in stop):
@@ -106,7 +114,7 @@ class SamplingParams:
         for name, ids in (("logit_bias", self.logit_bias), ("stop_token_ids", self.stop_token_ids)):
             for tid in ids:
                 if not 0 <= tid < vocab_size:
-                    raise ValueError(f"{name}: token id {tid} is outside the vocabulary (0..{vocab_size - 1})")
+                    raise FieldError(name, f"token id {tid} is outside the vocabulary (0..{vocab_size - 1})")
 
 
 class FinishReason(str, enum.Enum):

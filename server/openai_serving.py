@@ -174,9 +174,9 @@ class OpenAIServing:
     def _check(self, prompt_ids: list[int], params: SamplingParams, param: str) -> None:
         try:
             self.engine.check_request(prompt_ids, params)
-        except ValueError as exc:
+        except ValueError as exc:  # a field of the request's own (FieldError), or the prompt's
             code = "context_length_exceeded" if "context length" in str(exc) else None
-            raise APIError(400, str(exc), param=param, code=code) from None
+            raise APIError(400, str(exc), param=getattr(exc, "field", param), code=code) from None
 
     def _start(self, runs: list[PromptRun], params: SamplingParams) -> tuple[OutputStream, dict[str, PromptRun]]:
         """Queue one request a prompt, their outputs into one stream; returns it and each

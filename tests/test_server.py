@@ -287,6 +287,14 @@ def test_semantic_errors_are_4xx(client):
         r = client.post("/v1/completions", json=body)
         assert r.status_code == status, (body, r.text)
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    # token ids outside the vocabulary: the error names the field that holds them
+    for route, body in (("/v1/completions", {"prompt": "x"}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+        for field, value in (("logit_bias", {"999999999": 5}), ("stop_token_ids", [999999999])):
+            r = client.post(route, json={**body, field: value})
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        r = client.post(route, json={**body, "max_tokens": 10**9})
+        assert r.json()["error"]["param"] == ("prompt" if "prompt" in body else "messages")
     r = client.post("/v1/chat/completions", json={"messages": []})
     assert r.status_code == 400
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
