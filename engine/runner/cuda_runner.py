@@ -12,10 +12,10 @@ flash-attention prefill kernel), their inputs staged in one copy too: up to
 RAGGED_GRAPH_TOKENS[-1] tokens they replay graphs of the layers captured for the next
 token count (with every layer's attention but the last's where the prompts' attention reads
 its tile count on the device, else in pieces with the attention, whose launch follows the
-step's sequences, between them); larger steps, bound by the device, launch eagerly.
-Sampling runs on the GPU; only the sampled ids (and requested logprobs) come back. `submit`
-launches a step and returns a function that waits for it, so the engine can use the host
-meanwhile; `execute` is the two in one.
+step's sequences, between them); larger steps, bound by the device, launch eagerly. Sampling runs on
+the GPU; only the sampled ids
+(and requested logprobs) come back. `submit` launches a step and returns a function that
+waits for it, so the engine can use the host meanwhile; `execute` is the two in one.
 """
 
 from __future__ import annotations
@@ -819,7 +819,6 @@ class CudaRunner:
         self._slot_bytes = cfg.kv_size * elem  # bytes from one slot to the next within a layer
         self._layer_elems = (self.num_kv_slots + 1) * cfg.kv_size  # elements from one layer to the next
         self._near_end_offset = self.near_end_layer * self._layer_elems
-        self._last_layer_offset = (cfg.num_layers - 1) * self._layer_elems  # where ragged graphs end a piece
         self._spare_k = self.k_cache.data.ptr + self.num_kv_slots * self._slot_bytes
         self._spare_v = self.v_cache.data.ptr + self.num_kv_slots * self._slot_bytes
 
@@ -1292,6 +1291,7 @@ class CudaRunner:
             return
         cfg, ragged = self.config, self.buffers.ragged
         in_graph = self.ragged_attention_in_graph = ATTENTION_IN_GRAPH and use_wgmma(cfg.head_dim, 0)
+        last = (cfg.num_layers - 1) * self._layer_elems
         g = ragged.writable()
         self._pad_ragged(g, 0, sizes[-1])
         g["dec_len"][:] = 0  # no decode row takes keys, no prompt tile runs
@@ -1301,19 +1301,19 @@ class CudaRunner:
             with self.stream:
                 ragged.upload(self.stream)
                 for T in sizes:
-                    def held(offset: int) -> bool:  # the graph holds this attention: launch it there
-                        if in_graph and offset != self._last_layer_offset:
+                    def attention(offset: int) -> None:
+                        if in_graph and offset != last:
                             self._graph_attention(T, offset)
-                            return True
-                        return False
-                    self._ragged_body(T, held)  # warm-up: compiles, plans the products
+                    self._ragged_body(T, attention)  # warm-up: compiles, plans the products
                     self.stream.synchronize()
                     pieces: list[tuple[cp.cuda.Graph, int | None]] = []
 
                     def split(offset: int) -> None:
-                        if not held(offset):
-                            pieces.append((self.stream.end_capture(), offset))
-                            self.stream.begin_capture()
+                        if in_graph and offset != last:
+                            self._graph_attention(T, offset)
+                            return
+                        pieces.append((self.stream.end_capture(), offset))
+                        self.stream.begin_capture()
                     self.stream.begin_capture()
                     try:
                         self._ragged_body(T, split)
@@ -1776,7 +1776,7 @@ class CudaRunner:
         """A step through the ragged path: its tokens, sequences and tiles staged in one copy
         (DecodeBuffers.ragged), the sampling parameters of its sampling rows in another, both
         ahead of its layers."""
-        b = self.buffers
+        cfg, b = self.config, self.buffers
         T, S = sum(r.num_tokens for r in rows), len(rows)
         if T > self.max_tokens:
             raise ValueError(f"step of {T} tokens exceeds the runner's {self.max_tokens}")
@@ -1848,7 +1848,7 @@ class CudaRunner:
                     piece.launch(self.stream)
                     if offset is None:
                         break
-                    if sampled_tail and offset == self._last_layer_offset:
+                    if sampled_tail and offset == (cfg.num_layers - 1) * self._layer_elems:
                         self._sampled_tail(self._residual(T), T, n)  # the last layer's rows that sample, eagerly
                         break
                     attention(offset)
