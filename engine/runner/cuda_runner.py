@@ -12,10 +12,10 @@ flash-attention prefill kernel), their inputs staged in one copy too: up to
 RAGGED_GRAPH_TOKENS[-1] tokens they replay graphs of the layers captured for the next
 token count (with every layer's attention but the last's where the prompts' attention reads
 its tile count on the device, else in pieces with the attention, whose launch follows the
-step's sequences, between them); larger steps, bound by the device, launch eagerly. Sampling runs on
-the GPU; only the sampled ids
-(and requested logprobs) come back. `submit` launches a step and returns a function that
-waits for it, so the engine can use the host meanwhile; `execute` is the two in one.
+step's sequences, between them); larger steps, bound by the device, launch eagerly.
+Sampling runs on the GPU; only the sampled ids (and requested logprobs) come back. `submit`
+launches a step and returns a function that waits for it, so the engine can use the host
+meanwhile; `execute` is the two in one.
 """
 
 from __future__ import annotations
