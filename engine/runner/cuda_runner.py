@@ -512,8 +512,9 @@ def _upload_matrix(dtype: str):
 class CudaRunner:
     device = "cuda"
 
-    def __init__(self, config: EngineConfig, model: LoadedModel | None = None, *, model_config: ModelConfig | None = None,
-                 weights: Weights | ModelWeights | None = None, progress: bool = True, pdl: bool | None = None) -> None:
+    def __init__(self, config: EngineConfig, model: LoadedModel | None = None, *,
+                 model_config: ModelConfig | None = None, weights: Weights | ModelWeights | None = None,
+                 progress: bool = True, pdl: bool | None = None) -> None:
         """Load weights to the GPU, allocate every buffer, size the KV pool, capture graphs.
 
         Either `model` (a LoadedModel), or `model_config` with `weights` (checkpoint
@@ -819,6 +820,7 @@ class CudaRunner:
         self._slot_bytes = cfg.kv_size * elem  # bytes from one slot to the next within a layer
         self._layer_elems = (self.num_kv_slots + 1) * cfg.kv_size  # elements from one layer to the next
         self._near_end_offset = self.near_end_layer * self._layer_elems
+        self._last_layer_offset = (cfg.num_layers - 1) * self._layer_elems  # where ragged graphs end a piece
         self._spare_k = self.k_cache.data.ptr + self.num_kv_slots * self._slot_bytes
         self._spare_v = self.v_cache.data.ptr + self.num_kv_slots * self._slot_bytes
 
@@ -1291,7 +1293,6 @@ class CudaRunner:
             return
         cfg, ragged = self.config, self.buffers.ragged
         in_graph = self.ragged_attention_in_graph = ATTENTION_IN_GRAPH and use_wgmma(cfg.head_dim, 0)
-        last = (cfg.num_layers - 1) * self._layer_elems
         g = ragged.writable()
         self._pad_ragged(g, 0, sizes[-1])
         g["dec_len"][:] = 0  # no decode row takes keys, no prompt tile runs
@@ -1301,19 +1302,19 @@ class CudaRunner:
             with self.stream:
                 ragged.upload(self.stream)
                 for T in sizes:
-                    def attention(offset: int) -> None:
-                        if in_graph and offset != last:
+                    def held(offset: int) -> bool:  # the graph holds this attention: launch it there
+                        if in_graph and offset != self._last_layer_offset:
                             self._graph_attention(T, offset)
-                    self._ragged_body(T, attention)  # warm-up: compiles, plans the products
+                            return True
+                        return False
+                    self._ragged_body(T, held)  # warm-up: compiles, plans the products
                     self.stream.synchronize()
                     pieces: list[tuple[cp.cuda.Graph, int | None]] = []
 
                     def split(offset: int) -> None:
-                        if in_graph and offset != last:
-                            self._graph_attention(T, offset)
-                            return
-                        pieces.append((self.stream.end_capture(), offset))
-                        self.stream.begin_capture()
+                        if not held(offset):
+                            pieces.append((self.stream.end_capture(), offset))
+                            self.stream.begin_capture()
                     self.stream.begin_capture()
                     try:
                         self._ragged_body(T, split)
@@ -1675,7 +1676,8 @@ class CudaRunner:
         try:
             src = [self._sampled_at[rows[i].seq_id] for i in pending]
         except KeyError as exc:
-            raise ValueError(f"sequence {exc.args[0]} has a pending token but the last step did not sample it") from None
+            raise ValueError(f"sequence {exc.args[0]} has a pending token but the last step did not sample it"
+                             ) from None
         out = np.full(T, -1, np.int32)
         out[token_at[pending]] = src
         return out
@@ -1776,7 +1778,7 @@ class CudaRunner:
         """A step through the ragged path: its tokens, sequences and tiles staged in one copy
         (DecodeBuffers.ragged), the sampling parameters of its sampling rows in another, both
         ahead of its layers."""
-        cfg, b = self.config, self.buffers
+        b = self.buffers
         T, S = sum(r.num_tokens for r in rows), len(rows)
         if T > self.max_tokens:
             raise ValueError(f"step of {T} tokens exceeds the runner's {self.max_tokens}")
@@ -1848,7 +1850,7 @@ class CudaRunner:
                     piece.launch(self.stream)
                     if offset is None:
                         break
-                    if sampled_tail and offset == (cfg.num_layers - 1) * self._layer_elems:
+                    if sampled_tail and offset == self._last_layer_offset:
                         self._sampled_tail(self._residual(T), T, n)  # the last layer's rows that sample, eagerly
                         break
                     attention(offset)
