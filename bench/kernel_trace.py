@@ -70,9 +70,12 @@ def _union(intervals: list[tuple[float, float]]) -> float:
 
 def summarize(trace: dict) -> dict:
     """A Chrome trace (torch.profiler's export) -> {"kernels": count, "kinds": {kind: {"steps",
-    "span_us_p50", "busy_p50", "kernels_p50", "families": {name: [us a step, launches a step]}}},
-    "gaps": [[before, after, us a step, count a step], ...] (idle time between a kernel and the
-    next, by the pair, largest first; over all whole steps)}. Times in microseconds."""
+    "span_us_p50", "busy_p50", "kernels_p50", "families": {name: [us a step, launches a step]},
+    "after": {"name < the family launched before it": [us a step, launches a step]}}}, "gaps":
+    [[before, after, us a step, count a step], ...] (idle time between a kernel and the next, by
+    the pair, largest first; over all whole steps)}. Times in microseconds. "after" tells apart the
+    launches of one family by what precedes them (the o product from the down product, the norm
+    after attention from the one after the MLP)."""
     events = sorted((e for e in trace.get("traceEvents", [])
                      if e.get("cat") in ("kernel", "gpu_memset") and "dur" in e), key=lambda e: e["ts"])
     starts = [i for i, e in enumerate(events) if e["name"].startswith(STEP_START)]
@@ -83,45 +86,58 @@ def summarize(trace: dict) -> dict:
     for ks in steps:
         t0, t1 = ks[0]["ts"], max(k["ts"] + k["dur"] for k in ks)
         fams: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-        end, last = None, None
+        after: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+        end, last, prev = None, None, None
         for k in ks:
             name = "memset" if k.get("cat") == "gpu_memset" else family(k["name"])
-            fams[name][0] += k["dur"]
-            fams[name][1] += 1
+            for table, key in ((fams, name), (after, f"{name} < {prev or '-'}")):
+                table[key][0] += k["dur"]
+                table[key][1] += 1
+            prev = name
             if end is not None and k["ts"] > end:
                 gaps[(last, name)].append(k["ts"] - end)
             if end is None or k["ts"] + k["dur"] > end:
                 end, last = k["ts"] + k["dur"], name
         kind = "with prompts" if any(n.startswith(PROMPT_ATTENTION) for n in fams) else "decode"
         kinds[kind].append({"span": t1 - t0, "busy": _union([(k["ts"], k["ts"] + k["dur"]) for k in ks]),
-                            "n": len(ks), "fams": fams})
+                            "n": len(ks), "fams": fams, "after": after})
     whole = sum(len(v) for v in kinds.values())
     out = {"kernels": len(events), "kinds": {}, "gaps": []}
     for kind, ss in kinds.items():
-        fams = defaultdict(lambda: [0.0, 0.0])
-        for s in ss:
-            for name, (us, count) in s["fams"].items():
-                fams[name][0] += us / len(ss)
-                fams[name][1] += count / len(ss)
         out["kinds"][kind] = {
             "steps": len(ss), "span_us_p50": statistics.median(s["span"] for s in ss),
             "busy_p50": statistics.median(s["busy"] / s["span"] if s["span"] else 1.0 for s in ss),
             "kernels_p50": statistics.median(s["n"] for s in ss),
-            "families": dict(sorted(fams.items(), key=lambda f: -f[1][0]))}
+            "families": _per_step(ss, "fams"), "after": _per_step(ss, "after")}
     out["gaps"] = sorted(([a, b, sum(v) / whole, len(v) / whole] for (a, b), v in gaps.items()),
                          key=lambda g: -g[2]) if whole else []
     return out
 
 
-def report(summary: dict, families: int = 12, gaps: int = 8) -> list[str]:
+def _per_step(steps: list[dict], field: str) -> dict[str, list[float]]:
+    """The steps' {name: [us, launches]} tables (field) as the mean a step, largest first."""
+    table = defaultdict(lambda: [0.0, 0.0])
+    for s in steps:
+        for name, (us, count) in s[field].items():
+            table[name][0] += us / len(steps)
+            table[name][1] += count / len(steps)
+    return dict(sorted(table.items(), key=lambda f: -f[1][0]))
+
+
+def report(summary: dict, families: int = 12, gaps: int = 8, after: bool = False) -> list[str]:
+    """The summary as text; after: the kernels by the family launched before them too."""
     lines = [f"kernel trace: {summary['kernels']} kernels and memsets"]
     if not summary["kinds"]:
         return lines + ["  no whole step in the window (no device kernels, or fewer than two steps)"]
     for kind, k in summary["kinds"].items():
         lines.append(f"  {kind}: {k['steps']} steps, span p50 {k['span_us_p50']:.0f} us, kernels busy "
                      f"{100 * k['busy_p50']:.1f} % of it, {k['kernels_p50']:.0f} kernels a step")
-        for name, (us, count) in list(k["families"].items())[:families]:
-            lines.append(f"    {name:60s} {us:9.1f} us a step, x{count:5.1f}")
+        tables = [("", k["families"])] + ([("  by the kernel launched before: ", k["after"])] if after else [])
+        for title, table in tables:
+            if title:
+                lines.append(f"    {title.strip()}")
+            for name, (us, count) in list(table.items())[:families]:
+                lines.append(f"    {name:60s} {us:9.1f} us a step, x{count:5.1f} ({us / count:7.2f} us each)")
     lines.append("  idle between kernels, a step, by the pair (largest first):")
     for before, after, us, count in summary["gaps"][:gaps]:
         lines.append(f"    {before[:36]:36s} -> {after[:36]:36s} {us:7.1f} us, x{count:5.1f}")

@@ -9,6 +9,8 @@ alone vs a whole runner step (the difference is host work).
         python bench/kernels.py --shape llama3-8b --batch 1 --profile > ncu.csv
     python bench/kernels.py --ncu-summary ncu.csv      # each kernel of one decode graph, by name
     python bench/kernels.py --shape smollm2-135m --batch 1 --context 96 --timeline  # a decode graph by kernel
+    python bench/kernels.py --batch 256 --context 576 --quantization fp8 --kv-cache-dtype fp8 --dtype bfloat16 \
+        --kernel-trace   # a decode graph's kernels in place, by CUPTI (torch.profiler), by the kernel before each
     python bench/kernels.py --mixed 252,576,4,448 --quantization fp8 --kv-cache-dtype fp8  # a mixed step by kernel
     python bench/kernels.py --attention 512,2048,4x512 --kv-cache-dtype fp8   # prefill attention alone, and stop
     python bench/kernels.py --read-patterns   # HBM reads of the skinny GEMM's grid by warp load pattern, and stop
@@ -437,6 +439,36 @@ def timeline_table(shape_name: str, batch: int, context: int, kv_dtype: str = "a
     return out
 
 
+def kernel_trace_table(shape_name: str, batch: int, context: int, kv_dtype: str = "auto",
+                       quantization: str | None = None, dtype: str = "auto", replays: int = 8) -> list[str]:
+    """A decode graph's kernels in place: `replays` replays recorded by torch.profiler (CUPTI, as
+    bench/kernel_trace.py reads a serving load's), each kernel's duration summed by family and by
+    (family, the family launched before it). Unlike --timeline's stamps, a cuBLAS(Lt) product is
+    timed as itself, not folded into the stage before it; a kernel launched with programmatic
+    dependent launch counts its wait for the one before it (its span)."""
+    import json
+    import tempfile
+
+    from bench import kernel_trace
+    runner = decode_runner(shape_name, batch, context, kv_dtype, quantization, fill_kv=True, dtype=dtype)
+    graph = capture_decode_graph(runner, batch)
+    stream = runner.stream
+    with stream:
+        ms = time_gpu(lambda: graph.launch(stream), iters=20)
+        prof = kernel_trace.start()
+        for _ in range(replays + 1):  # the window's last step is left out
+            graph.launch(stream)
+        kernel_trace.stop(prof)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        summary = kernel_trace.summarize(json.loads(path.read_text()))
+    del graph, runner
+    cp.get_default_memory_pool().free_all_blocks()
+    return ([f"kernel trace {shape_name} {dtype} w={quantization or '16'} kv={kv_dtype} B={batch} ctx={context}: "
+             f"graph {ms:.3f} ms (events, no profiler)"] + kernel_trace.report(summary, families=24, after=True))
+
+
 def leave_out_table(shape_name: str, batches: list[int], context: int, kv_dtype: str = "auto",
                     quantization: str | None = None, dtype: str = "auto", rounds: int = 5) -> list[str]:
     """What each row-wise kernel and the decode attention cost a decode graph in place: the graph
@@ -667,12 +699,14 @@ def main() -> None:
     ap.add_argument("--ncu-summary", default="", help="summarise an ncu --csv file of such a run and stop")
     ap.add_argument("--timeline", action="store_true", help="the decode graph of each --batch by kernel, every kernel in "
                     "place (stamps of the GPU's global timer), and stop")
+    ap.add_argument("--kernel-trace", action="store_true", help="the decode graph of each --batch under torch.profiler "
+                    "(CUPTI): each kernel in place, by family and by the kernel launched before it, and stop")
     ap.add_argument("--mixed", default="", help="D,C,P,L: one mixed step of D decode rows at C keys and P prompts of "
                     "L tokens, its GPU time by kernel, and stop (with --quantization, --kv-cache-dtype)")
     ap.add_argument("--eager", action="store_true", help="--mixed: the runner without graphs, so that the kernels "
                     "inside them are timed too")
-    ap.add_argument("--dtype", default="auto", help="--mixed, --leave-out: the model's 16-bit type (auto, float16, "
-                    "bfloat16)")
+    ap.add_argument("--dtype", default="auto", help="--mixed, --leave-out, --kernel-trace: the model's 16-bit type "
+                    "(auto, float16, bfloat16)")
     ap.add_argument("--leave-out", action="store_true", help="the decode graph of each --batch with each row-wise "
                     "kernel and the decode attention left out in turn (timing only): what each costs in place, and stop")
     ap.add_argument("--read-patterns", action="store_true", help="HBM read bandwidth of the skinny GEMM's grid by "
@@ -699,6 +733,11 @@ def main() -> None:
     if args.leave_out:
         print("\n".join(leave_out_table(args.shape, batches, args.context, args.kv_cache_dtype, args.quantization,
                                          args.dtype)), flush=True)
+        return
+    if args.kernel_trace:
+        for B in batches:
+            print("\n".join(kernel_trace_table(args.shape, B, args.context, args.kv_cache_dtype, args.quantization,
+                                               args.dtype)), flush=True)
         return
     if args.timeline:
         for B in batches:

@@ -42,8 +42,16 @@ def test_steps_spans_busy_time_and_gaps():
                     ("embedding", "nvjet_gemm_e4m3"): (2.0, 0.5), ("nvjet_gemm_e4m3", "flash_decode_chunk"): (3.0, 0.5),
                     ("flash_prefill_wgmma", "quantize_rows_group"): (2.0, 0.5)}
     assert s["gaps"][0][:2] == ["nvjet_gemm_e4m3", "flash_decode_chunk"]
+    # each family by the one launched before it (in start order): the decode attention after a product
+    # in the decode step, after the prompt attention (launched 4 us before it) in the other
+    assert dec["after"] == {"embedding < -": [10.0, 1.0], "nvjet_gemm_e4m3 < embedding": [50.0, 1.0],
+                            "flash_decode_chunk < nvjet_gemm_e4m3": [30.0, 1.0]}
+    assert mixed["after"]["flash_decode_chunk < flash_prefill_wgmma"] == [40.0, 1.0]
+    assert mixed["after"]["nvjet_gemm_e4m3 < memset"] == [100.0, 1.0]
     text = "\n".join(report(s))
     assert "span p50 100 us, kernels busy 90.0 %" in text and "span p50 200 us, kernels busy 95.5 %" in text
+    assert "flash_decode_chunk < nvjet_gemm_e4m3" not in text
+    assert "flash_decode_chunk < nvjet_gemm_e4m3" in "\n".join(report(s, after=True))
 
 
 def test_no_whole_step_and_names():
