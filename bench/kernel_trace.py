@@ -27,6 +27,7 @@ import json
 import re
 import statistics
 from collections import defaultdict
+from itertools import accumulate
 from pathlib import Path
 
 STEP_START = "embedding"
@@ -70,7 +71,8 @@ def _union(intervals: list[tuple[float, float]]) -> float:
 
 def summarize(trace: dict) -> dict:
     """A Chrome trace (torch.profiler's export) -> {"kernels": count, "kinds": {kind: {"steps",
-    "span_us_p50", "busy_p50", "kernels_p50", "families": {name: [us a step, launches a step]},
+    "span_us_p50", "busy_p50", "kernels_p50", "idle_before_us_p50" (the device idle from the last
+    kernel before the step to its first), "families": {name: [us a step, launches a step]},
     "after": {"name < the family launched before it": [us a step, launches a step]}}}, "gaps":
     [[before, after, us a step, count a step], ...] (idle time between a kernel and the next, by
     the pair, largest first; over all whole steps)}. Times in microseconds. "after" tells apart the
@@ -80,10 +82,11 @@ def summarize(trace: dict) -> dict:
                      if e.get("cat") in ("kernel", "gpu_memset") and "dur" in e), key=lambda e: e["ts"])
     starts = [i for i, e in enumerate(events) if e["name"].startswith(STEP_START)]
     # whole steps: those that began in the window, but the last (the window may end in it)
-    steps = [events[a:b] for a, b in zip(starts, starts[1:])]
+    steps = [(a, events[a:b]) for a, b in zip(starts, starts[1:])]
+    ends = list(accumulate((e["ts"] + e["dur"] for e in events), max))  # the device's last end so far
     kinds: dict[str, list[dict]] = defaultdict(list)
     gaps: dict[tuple[str, str], list[float]] = defaultdict(list)
-    for ks in steps:
+    for a, ks in steps:
         t0, t1 = ks[0]["ts"], max(k["ts"] + k["dur"] for k in ks)
         fams: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
         after: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
@@ -100,7 +103,8 @@ def summarize(trace: dict) -> dict:
                 end, last = k["ts"] + k["dur"], name
         kind = "with prompts" if any(n.startswith(PROMPT_ATTENTION) for n in fams) else "decode"
         kinds[kind].append({"span": t1 - t0, "busy": _union([(k["ts"], k["ts"] + k["dur"]) for k in ks]),
-                            "n": len(ks), "fams": fams, "after": after})
+                            "n": len(ks), "fams": fams, "after": after,
+                            "idle_before": max(0.0, t0 - ends[a - 1]) if a else None})
     whole = sum(len(v) for v in kinds.values())
     out = {"kernels": len(events), "kinds": {}, "gaps": []}
     for kind, ss in kinds.items():
@@ -108,10 +112,15 @@ def summarize(trace: dict) -> dict:
             "steps": len(ss), "span_us_p50": statistics.median(s["span"] for s in ss),
             "busy_p50": statistics.median(s["busy"] / s["span"] if s["span"] else 1.0 for s in ss),
             "kernels_p50": statistics.median(s["n"] for s in ss),
+            "idle_before_us_p50": _median_or_none([s["idle_before"] for s in ss if s["idle_before"] is not None]),
             "families": _per_step(ss, "fams"), "after": _per_step(ss, "after")}
     out["gaps"] = sorted(([a, b, sum(v) / whole, len(v) / whole] for (a, b), v in gaps.items()),
                          key=lambda g: -g[2]) if whole else []
     return out
+
+
+def _median_or_none(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
 
 
 def _per_step(steps: list[dict], field: str) -> dict[str, list[float]]:
@@ -130,8 +139,10 @@ def report(summary: dict, families: int = 12, gaps: int = 8, after: bool = False
     if not summary["kinds"]:
         return lines + ["  no whole step in the window (no device kernels, or fewer than two steps)"]
     for kind, k in summary["kinds"].items():
+        idle = k.get("idle_before_us_p50")
         lines.append(f"  {kind}: {k['steps']} steps, span p50 {k['span_us_p50']:.0f} us, kernels busy "
-                     f"{100 * k['busy_p50']:.1f} % of it, {k['kernels_p50']:.0f} kernels a step")
+                     f"{100 * k['busy_p50']:.1f} % of it, {k['kernels_p50']:.0f} kernels a step"
+                     + (f", the device idle {idle:.1f} us before one (p50)" if idle is not None else ""))
         tables = [("", k["families"])] + ([("  by the kernel launched before: ", k["after"])] if after else [])
         for title, table in tables:
             if title:

@@ -31,6 +31,9 @@ def test_steps_spans_busy_time_and_gaps():
     dec, mixed = s["kinds"]["decode"], s["kinds"]["with prompts"]
     assert dec["steps"] == 1 and dec["span_us_p50"] == 100 and abs(dec["busy_p50"] - 0.9) < 1e-9
     assert dec["kernels_p50"] == 3 and dec["families"]["nvjet_gemm_e4m3"] == [50.0, 1.0]
+    # the device idle before each step: 5 us after the earlier step's tail (0 .. 5); none before the
+    # step with prompts (the decode attention ends at 110, where its embedding starts)
+    assert dec["idle_before_us_p50"] == 5 and mixed["idle_before_us_p50"] == 0
     # 110 .. 310: busy 20 + 1 + 100 + (236 .. 296) + 10 = 191 of 200 (the attentions overlap)
     assert mixed["span_us_p50"] == 200 and abs(mixed["busy_p50"] - 191 / 200) < 1e-9
     assert mixed["families"]["memset"] == [1.0, 1.0] and list(mixed["families"])[0] == "nvjet_gemm_e4m3"
@@ -50,6 +53,7 @@ def test_steps_spans_busy_time_and_gaps():
     assert mixed["after"]["nvjet_gemm_e4m3 < memset"] == [100.0, 1.0]
     text = "\n".join(report(s))
     assert "span p50 100 us, kernels busy 90.0 %" in text and "span p50 200 us, kernels busy 95.5 %" in text
+    assert "the device idle 5.0 us before one (p50)" in text
     assert "flash_decode_chunk < nvjet_gemm_e4m3" not in text
     assert "flash_decode_chunk < nvjet_gemm_e4m3" in "\n".join(report(s, after=True))
 
