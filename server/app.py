@@ -278,7 +278,8 @@ def create_app(settings: ServeSettings, engine: EngineAPI | None = None,
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         if req.messages is not None:
-            text = serving.render_chat(req.messages, req.add_generation_prompt)
+            text = serving.render_chat(req.messages, req.add_generation_prompt,
+                                       continue_final_message=req.continue_final_message)
             ids = engine.tokenizer.encode(text, add_special_tokens=False)
         else:
             ids = engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)

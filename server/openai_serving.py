@@ -147,6 +147,8 @@ class OpenAIServing:
 
     def sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
         defaults = self.engine.generation_defaults
 
         def pick(value, default, fallback):
@@ -414,8 +416,18 @@ class OpenAIServing:
     # ------------------------------------------------------------------ chat
 
     def render_chat(self, messages, add_generation_prompt: bool = True, tools=None,
-                    extra: dict[str, Any] | None = None) -> str:
+                    extra: dict[str, Any] | None = None, continue_final_message: bool = False) -> str:
+        """The chat template over the messages. continue_final_message (vLLM's): the last message,
+        the assistant's, is left open for the model to continue: the text ends where its content
+        does, whatever the template writes after a message."""
         tok = self.engine.tokenizer
+        if continue_final_message:
+            if add_generation_prompt:
+                raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true",
+                               param="continue_final_message")
+            if not messages or messages[-1].role != "assistant":
+                raise APIError(400, "continue_final_message needs the last message to be the assistant's",
+                               param="continue_final_message")
         try:
             dicts = []
             for m in messages:
@@ -425,11 +437,19 @@ class OpenAIServing:
             kwargs = dict(extra or {})
             if tools:
                 kwargs["tools"] = tools
-            return tok.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt, **kwargs)
+            text = tok.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt, **kwargs)
         except ChatTemplateError as exc:
             raise APIError(400, str(exc), param="messages") from None
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from None
+        if continue_final_message:
+            final = dicts[-1]["content"] or ""
+            end = text.rfind(final) if final else -1
+            if end < 0:
+                raise APIError(400, "continue_final_message: the chat template does not write the last message's "
+                               "content as it is", param="continue_final_message")
+            text = text[:end + len(final)]
+        return text
 
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         self.check_model(req.model)
@@ -438,8 +458,10 @@ class OpenAIServing:
                            param="response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+        _check_tools(req)
         tok = self.engine.tokenizer
-        prompt_text = self.render_chat(req.messages, req.add_generation_prompt, req.tools, req.chat_template_kwargs)
+        prompt_text = self.render_chat(req.messages, req.add_generation_prompt, req.tools, req.chat_template_kwargs,
+                                       req.continue_final_message)
         ids = await _encode(tok, prompt_text, add_special_tokens=False)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -500,6 +522,21 @@ class OpenAIServing:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _check_tools(req: ChatCompletionRequest) -> None:
+    """Tools as vLLM serves them without a tool-call parser: with tool_choice "none" the chat
+    template gets them (a template that knows tools renders them) and the reply is text; any other
+    choice would need the model's output parsed into tool calls, which this server does not do, so
+    it is refused rather than answered with text that a client would take for no call."""
+    choice = req.tool_choice
+    if choice is not None and choice != "none" and not req.tools:
+        raise APIError(400, "tool_choice needs tools", param="tool_choice")
+    if req.tools and choice != "none":
+        shown = "auto (the default with tools)" if choice is None else json.dumps(choice)
+        raise APIError(400, f"tool_choice {shown} is not supported: this server does not parse tool calls from "
+                       "the model's output; tool_choice \"none\" renders the tools into the chat template and "
+                       "answers with text", param="tool_choice" if choice is not None else "tools")
 
 
 def _prompt_list(prompt) -> list[str | list[int]]:

@@ -109,6 +109,8 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    continue_final_message: bool = False  # vLLM extension: the last (assistant) message left open
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -118,6 +120,7 @@ class TokenizeRequest(OpenAIModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class DetokenizeRequest(OpenAIModel):

@@ -304,6 +304,40 @@ def test_semantic_errors_are_4xx(client):
     assert client.put("/v1/completions", json={}).status_code == 405
 
 
+def test_stream_options_tools_and_a_continued_assistant_message(client):
+    user = {"role": "user", "content": "What is the capital of France?"}
+    for route, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": [user]})):
+        r = client.post(route, json={**body, "max_tokens": 1, "stream_options": {"include_usage": True}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text
+    # tools as vLLM takes them without a tool-call parser: only with tool_choice "none"
+    tools = [{"type": "function", "function": {"name": "capital", "parameters": {"type": "object"}}}]
+    for extra, param in (({}, "tools"), ({"tool_choice": "auto"}, "tool_choice"),
+                         ({"tool_choice": {"type": "function", "function": {"name": "capital"}}}, "tool_choice")):
+        r = client.post("/v1/chat/completions", json={"messages": [user], "tools": tools, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = client.post("/v1/chat/completions", json={"messages": [user], "tool_choice": "required"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+    r = client.post("/v1/chat/completions", json={"messages": [user], "tools": tools, "tool_choice": "none",
+                                                  "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+    # continue_final_message: the prompt ends where the assistant's text does, and the model goes on from it
+    start = "The capital of France is"
+    msgs = [user, {"role": "assistant", "content": start}]
+    closed = client.post("/tokenize", json={"messages": msgs, "add_generation_prompt": False}).json()["tokens"]
+    open_ = client.post("/tokenize", json={"messages": msgs, "add_generation_prompt": False,
+                                           "continue_final_message": True}).json()["tokens"]
+    assert len(open_) < len(closed) and closed[:len(open_)] == open_
+    text = client.post("/detokenize", json={"tokens": open_}).json()["prompt"]
+    assert text.endswith(start)
+    body = client.post("/v1/chat/completions", json={"messages": msgs, "add_generation_prompt": False,
+                                                     "continue_final_message": True, "temperature": 0,
+                                                     "max_tokens": 6}).json()
+    assert body["usage"]["prompt_tokens"] == len(open_) and "Paris" in body["choices"][0]["message"]["content"]
+    for extra, last in (({"add_generation_prompt": True}, msgs), ({"add_generation_prompt": False}, [user])):
+        r = client.post("/v1/chat/completions", json={"messages": last, "continue_final_message": True, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
+
+
 def test_unknown_fields_are_ignored(client):
     r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "frobnicate": {"a": [1]},
                                              "response_format": 7})
