@@ -384,12 +384,19 @@ class OpenAIServing:
     @staticmethod
     def _legacy_logprobs(text_of: TokenText, ids: list[int], lps: list[TokenLogprobs | None],
                          start: int) -> tuple[dict[str, list], int]:
-        """The completions API's logprobs object for these tokens, and the text offset after them."""
+        """The completions API's logprobs object for these tokens, and the text offset after them.
+        Each top_logprobs entry holds the chosen token too, as OpenAI documents for this API (up
+        to logprobs + 1 entries; vLLM's as well), where the chat API's top_logprobs do not."""
         offsets, end = text_of.offsets(ids, start)
+
+        def top(token_id: int, lp: TokenLogprobs) -> dict[str, float]:
+            entry = {text_of.text(t): v for t, v in lp.top}
+            entry.setdefault(text_of.text(token_id), lp.logprob)
+            return entry
         return {
             "tokens": [text_of.text(t) for t in ids],
             "token_logprobs": [lp.logprob if lp is not None else None for lp in lps],
-            "top_logprobs": [({text_of.text(t): v for t, v in lp.top} if lp is not None else None) for lp in lps],
+            "top_logprobs": [(top(t, lp) if lp is not None else None) for t, lp in zip(ids, lps)],
             "text_offset": offsets,
         }, end
 

@@ -177,7 +177,8 @@ def test_logprobs_and_echo(client):
     assert choice["text"].startswith("The capital of France is Paris")
     assert lp["tokens"][:2] == ["The", " capital"] and len(lp["tokens"]) == 7
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
-    assert all(len(t) == 3 for t in lp["top_logprobs"][1:])
+    # each entry holds the 3 most likely tokens and the chosen one (up to logprobs + 1, as OpenAI documents)
+    assert all(len(t) in (3, 4) and tok in t for tok, t in zip(lp["tokens"][1:], lp["top_logprobs"][1:]))
     assert lp["text_offset"] == [0, 3, 11, 14, 21, 24, 30]
     assert lp["tokens"][5] == " Paris" and lp["token_logprobs"][5] == max(lp["top_logprobs"][5].values())
     prompt_only = client.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": 0,
@@ -187,6 +188,9 @@ def test_logprobs_and_echo(client):
     with_lp = client.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": 0, "echo": True,
                                                    "logprobs": 1}).json()
     assert len(with_lp["choices"][0]["logprobs"]["token_logprobs"]) == 2
+    zero = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "logprobs": 0, "temperature": 1.5,
+                                                "seed": 7}).json()["choices"][0]["logprobs"]
+    assert zero["top_logprobs"] == [{t: v} for t, v in zip(zero["tokens"], zero["token_logprobs"])]
 
 
 def test_streaming_logprobs(client):
