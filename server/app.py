@@ -89,6 +89,29 @@ class ServerState:
         return self.engine
 
 
+class JsonBodyMiddleware:
+    """Every POST here takes a JSON body, so one sent with another Content-Type (curl -d's form
+    type, text/plain) is read as JSON, as llama-server reads it, instead of failing FastAPI's
+    validation with a message about dictionaries; a body that is not JSON still gets the JSON
+    error."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope.get("method") == "POST":
+            headers = [(k, v) for k, v in scope.get("headers", []) if k != b"content-type"]
+            kinds = [v for k, v in scope.get("headers", []) if k == b"content-type"]
+            if not kinds or not _is_json(kinds[0]):
+                scope = {**scope, "headers": headers + [(b"content-type", b"application/json")]}
+        return await self.app(scope, receive, send)
+
+
+def _is_json(content_type: bytes) -> bool:
+    kind = content_type.split(b";", 1)[0].strip().lower()
+    return kind == b"application/json" or kind.endswith(b"+json")
+
+
 class BodyLimitMiddleware:
     """413 for bodies over the limit: by Content-Length before reading, or (chunked
     uploads without one) by reading the body up to the limit first, then replaying it."""
@@ -228,7 +251,8 @@ def create_app(settings: ServeSettings, engine: EngineAPI | None = None,
     app = FastAPI(title="cuserve", version="0.1.0", lifespan=lifespan)
     app.state.cuserve = state
     install_error_handlers(app)
-    # outermost last: count everything, then check the key, then limit the body
+    # outermost last: count everything, then check the key, then limit the body, then read it as JSON
+    app.add_middleware(JsonBodyMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     if settings.api_key:
         app.add_middleware(AuthMiddleware, api_key=settings.api_key)

@@ -342,6 +342,17 @@ def test_stream_options_tools_and_a_continued_assistant_message(client):
         assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
 
 
+def test_a_json_body_is_read_whatever_its_content_type(client):
+    body = '{"prompt": "Hi", "max_tokens": 1}'
+    for kind in ("application/x-www-form-urlencoded", "text/plain", None):  # curl -d's type; none at all
+        headers = {"content-type": kind} if kind else {}
+        r = client.post("/v1/completions", content=body, headers=headers)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1, (kind, r.text)
+    form = {"content-type": "application/x-www-form-urlencoded"}
+    r = client.post("/v1/completions", content="prompt=Hi", headers=form)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+
+
 def test_unknown_fields_are_ignored(client):
     r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "frobnicate": {"a": [1]},
                                              "response_format": 7})
