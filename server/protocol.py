@@ -26,7 +26,7 @@ class SamplingFields(OpenAIModel):
     n: int = Field(1, ge=1, le=1024)
     temperature: float | None = Field(None, ge=0.0, le=100.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = None  # vLLM extension; -1 or 0 mean all tokens
+    top_k: int | None = Field(None, ge=-1)  # vLLM extension; -1 or 0 mean all tokens
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     seed: int | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)

@@ -265,6 +265,7 @@ def test_chat_context_limit_message(client):
     ('{"prompt": "x", "stop": 3}', "stop"),
     ('{"prompt": "x", "stop": ["a", "%s"]}' % ("b" * 16384), "stop"),
     ('{"prompt": "x", "top_p": 0}', "top_p"),
+    ('{"prompt": "x", "top_k": -5}', "top_k"),
     ('{}', "prompt"),
 ])
 def test_bad_completion_requests_get_400(client, body, param):
