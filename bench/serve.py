@@ -19,6 +19,13 @@ moves from wave to wave in whole engine steps.
 
     python bench/serve.py --engine random:llama3-8b --quantization fp8 --num-prompts 512 ...
 
+    python bench/serve.py --serve "--model random:llama3-8b --max-num-seqs 256 --quantization fp8" \
+        --loads 3 --num-prompts 1024 ...
+
+With --serve, this script starts `cuserve serve` with those flags on a free local port, waits
+until /health answers, runs the load --loads times against it and stops it (its log goes to
+--serve-log, else a temporary file that the output names). --loads works with --url too.
+
 With --engine, the same load drives the engine in this process (no HTTP, no tokenizer),
 and every engine step is traced: how many decode rows and prompt tokens it ran and how
 long it took. The summary splits the run's time into decode-only, mixed and prefill-only
@@ -37,9 +44,12 @@ import asyncio
 import contextlib
 import functools
 import json
+import os
 import random
+import shlex
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import kernel_trace, settings  # noqa: E402
 from bench.gpu_clocks import GpuClocks, describe  # noqa: E402
+from bench.server_process import start_server  # noqa: E402
 
 
 @dataclass
@@ -456,6 +467,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="client processes sharing the load (HTTP; default: one per 64 streams): one Python "
                          "client falls behind a server that sends ~20k events/s, and then measures itself")
     ap.add_argument("--json")
+    ap.add_argument("--serve", metavar="ARGS",
+                    help="start `cuserve serve ARGS` on a free local port for the load(s), then stop it (--url unused)")
+    ap.add_argument("--serve-log", help="--serve: the server's log (default: a temporary file, named in the output)")
+    ap.add_argument("--serve-timeout", type=float, default=900.0,
+                    help="--serve: seconds to wait for /health (default 900: an 8B model's random weights, fp8 "
+                         "quantization, product tuning and graph capture)")
+    ap.add_argument("--loads", type=int, default=1,
+                    help="HTTP: run the load this many times against the one server, each reported (the JSON is "
+                         "then a list)")
     ap.add_argument("--gpu-clocks", action=argparse.BooleanOptionalAction, default=None,
                     help="sample the GPU's SM clock and power draw during the load (nvidia-smi; default: "
                          "with --engine or a server on this host); reported, and in the JSON as \"gpu\"")
@@ -499,6 +519,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--kernel-trace-steps: expected FIRST,COUNT (two positive integers), got {args.kernel_trace_steps!r}")
     if args.kernel_trace and not args.engine:
         ap.error("--kernel-trace needs --engine (the recording runs where the engine does)")
+    if args.engine and (args.serve or args.loads != 1):
+        ap.error("--serve and --loads are for HTTP loads (with --engine, list budgets in --max-num-batched-tokens)")
+    if args.loads < 1:
+        ap.error(f"--loads must be >= 1, got {args.loads}")
     try:
         args.budgets = [int(b) for b in str(args.max_num_batched_tokens).split(",")]
     except ValueError:
@@ -512,16 +536,51 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    summaries = asyncio.run(run_engine(args)) if args.engine else [run(args)]
+    if args.engine:
+        summaries = asyncio.run(run_engine(args))
+    else:
+        with served(args):
+            summaries = []
+            for i in range(args.loads):
+                summaries.append(run(args))
+                if args.loads > 1:
+                    summaries[-1]["load"] = i + 1
+                    report(args, summaries[-1], flush=True)  # as each ends: a long series may be cut off
     if args.json:
         Path(args.json).write_text(json.dumps(summaries[0] if len(summaries) == 1 else summaries, indent=1))
-    for summary in summaries:
-        report(args, summary)
+    if args.engine or args.loads == 1:
+        for summary in summaries:
+            report(args, summary)
 
 
-def report(args, summary: dict) -> None:
+@contextlib.contextmanager
+def served(args):
+    """--serve: `cuserve serve` with its flags on a free local port while the block runs (args.url
+    set to it), its log in --serve-log or a temporary file; else nothing."""
+    if not args.serve:
+        yield
+        return
+    if args.serve_log:
+        log = Path(args.serve_log)
+    else:
+        fd, name = tempfile.mkstemp(prefix="cuserve-serve-", suffix=".log")
+        log = Path(name)
+        os.close(fd)
+    start = time.monotonic()
+    proc = start_server(*shlex.split(args.serve), log_path=log, timeout=args.serve_timeout)
+    print(f"server ready at {proc.url} after {time.monotonic() - start:.0f} s (log: {log})", flush=True)
+    args.url = proc.url
+    try:
+        yield
+    finally:
+        proc.stop()
+
+
+def report(args, summary: dict, flush: bool = False) -> None:
     if "max_num_batched_tokens" in summary:
         print(f"max_num_batched_tokens {summary['max_num_batched_tokens']}:")
+    if "load" in summary:
+        print(f"load {summary['load']} of {args.loads}:")
     print(f"{summary['completed']}/{args.num_prompts} ok in {summary['duration_s']:.2f}s: "
           f"{summary['request_throughput']:.2f} req/s, {summary['output_throughput']:.1f} output tok/s")
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
@@ -545,6 +604,8 @@ def report(args, summary: dict) -> None:
                   f"{k['decode_rows_p50']:>12.0f} {k['prompt_tokens_p50']:>15.0f} {k['prompt_tok_s']:>13.0f}")
     if "kernel_trace" in summary:
         print("\n".join("  " + line for line in kernel_trace.report(summary["kernel_trace"])))
+    if flush:
+        sys.stdout.flush()
 
 
 if __name__ == "__main__":

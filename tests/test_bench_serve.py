@@ -61,3 +61,34 @@ def test_the_server_s_loop_lag_counts_a_blocked_loop():
     late = sum(n for bound, n in zip(lag.buckets, lag.counts) if bound > 0.02) + lag.counts[-1]
     assert late >= 1  # the blocked interval, ~0.05 s late
     assert lag.sum >= 0.03
+
+
+def test_serve_starts_a_server_runs_the_loads_and_stops_it(smollm2_path, tmp_path):
+    """bench/serve.py --serve ... --loads 2: one `cuserve serve` (SmolLM2 on the CPU) for two
+    loads, each reported and in the JSON's list; the server is gone afterwards."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import httpx
+    root = Path(__file__).resolve().parent.parent
+    out, log = tmp_path / "serve.json", tmp_path / "server.log"
+    result = subprocess.run(
+        [sys.executable, "bench/serve.py", "--serve", f"--model {smollm2_path} --device cpu --max-model-len 256 "
+         "--kv-cache-gib 1 --max-num-seqs 4", "--serve-log", str(log), "--loads", "2", "--num-prompts", "4",
+         "--input-len", "8", "--output-len", "3", "--concurrency", "2", "--vocab", "1000", "--no-gpu-clocks",
+         "--json", str(out)], cwd=root, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    loads = json.loads(out.read_text())
+    assert [s["load"] for s in loads] == [1, 2]
+    assert all(s["completed"] == 4 and s["failed"] == 0 and not s["errors"] for s in loads), loads
+    assert "load 2 of 2:" in result.stdout and f"(log: {log})" in result.stdout
+    url = result.stdout.split("server ready at ", 1)[1].split()[0]
+    assert log.read_text()  # the server wrote its log there
+    try:
+        httpx.get(url + "/health", timeout=2)
+        up = True
+    except httpx.HTTPError:
+        up = False
+    assert not up  # stopped after the loads
