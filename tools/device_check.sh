@@ -38,7 +38,11 @@ print(cupy.cuda.runtime.getDeviceProperties(0)['name'])" >> "$OUT/env.log" 2>&1
     for f in kernels_cuda/*.cu; do
         nvcc -arch=sm_90 -std=c++17 -Ikernels_cuda -DHEAD_DIM=128 -DGROUP=4 -c "$f" -o /tmp/k.o -Xptxas -v 2>&1 \
             | grep -E "error|Compiling entry|registers|spill" ; done > "$OUT/ptxas.log" 2>&1
-    run kernels timeout 560 python3 -m pytest -q -rf tests/test_kernels_gpu.py ${KTESTS:+-k "$KTESTS"}
+    # in KJOBS processes where pytest-xdist is there (the device image has it): the whole file no longer fits
+    # one call serially (~80 % in 560 s, fifty-fifth session), and its time is mostly NVRTC compiles (CPU)
+    jobs=()
+    python3 -c "import xdist" 2>/dev/null && jobs=(-n "${KJOBS:-4}")
+    run kernels timeout 560 python3 -m pytest -q -rf ${jobs[@]+"${jobs[@]}"} tests/test_kernels_gpu.py ${KTESTS:+-k "$KTESTS"}
     run runner_tiny timeout 170 python3 -m pytest -q -rf -s tests/test_cuda_runner.py -k "${RTESTS:-tiny or long_context}"
     if [ "${FP8:-0}" = 1 ]; then  # --quantization fp8: its matrix products alone, then the decode graphs
         run fp8_matmuls timeout 300 python3 bench/kernels.py --shape llama3-8b --fp8 --batch 1,16,32,64,128,256,2048
