@@ -30,15 +30,33 @@ class LLM:
 
     def __init__(self, model: str = DEFAULT_MODEL, device: str = "auto", *, max_model_len: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 kv_cache_bytes: int | None = None, seed: int | None = None) -> None:
+                 kv_cache_bytes: int | None = None, seed: int | None = None, quantization: str | None = None,
+                 dtype: str = "auto", kv_cache_dtype: str = "auto", gpu_memory_utilization: float = 0.90,
+                 enforce_eager: bool = False) -> None:
+        """vLLM's LLM arguments where the engine has them: quantization ("fp8"), dtype, kv_cache_dtype
+        ("fp8"), gpu_memory_utilization (the K/V pool's share of the GPU's memory, unless
+        kv_cache_bytes), enforce_eager; the server's settings of the same names mean the same."""
         config = EngineConfig(
-            model=model, device=device, seed=seed,
-            cache=CacheConfig(kv_cache_bytes=kv_cache_bytes),
+            model=model, device=device, seed=seed, quantization=quantization, dtype=dtype,
+            enforce_eager=enforce_eager,
+            cache=CacheConfig(kv_cache_bytes=kv_cache_bytes, gpu_memory_utilization=gpu_memory_utilization,
+                              kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len, max_waiting=1 << 30),
         )
         self.engine = Engine(config)
         self.tokenizer = self.engine.tokenizer
+
+    def chat(self, messages: list[dict] | Sequence[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """generate() over conversations (a list of {"role", "content"} messages, or a list of such
+        lists), each rendered by the model's chat template, as vLLM's LLM.chat."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(
+            list(c), add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})),
+            add_special_tokens=False) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def generate(self, prompts: PromptLike | Sequence[PromptLike],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

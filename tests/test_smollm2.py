@@ -65,3 +65,12 @@ def test_greedy_paris(smollm2_path):
     llm = LLM(smollm2_path, device="cpu", max_model_len=512)
     out = llm.generate("The capital of France is", SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
     assert out[0].outputs[0].text.startswith(" Paris")
+    # LLM.chat: the chat template's prompt, as the server renders it (one conversation, or a list of them)
+    question = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    one = llm.chat(question, greedy, use_tqdm=False)
+    both = llm.chat([question, [{"role": "user", "content": "Say hi."}]], greedy, use_tqdm=False)
+    assert "Paris" in one[0].outputs[0].text and len(both) == 2
+    assert both[0].outputs[0].text == one[0].outputs[0].text
+    rendered = llm.tokenizer.apply_chat_template(question, add_generation_prompt=True)
+    assert one[0].prompt_token_ids == llm.tokenizer.encode(rendered, add_special_tokens=False)
