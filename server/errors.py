@@ -62,6 +62,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         return f"request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if not loc and first.get("type") == "missing":  # no body at all
+        return "the request has no body: send a JSON object", None
     # drop pydantic's union-member tags ("str", "list[int]", ...) from the location
     fields = [p for p in loc if not (p.startswith(("str", "list[", "dict[", "int", "float")) or "[" in p)]
     param = ".".join(fields) or None

@@ -352,6 +352,8 @@ def test_a_json_body_is_read_whatever_its_content_type(client):
     form = {"content-type": "application/x-www-form-urlencoded"}
     r = client.post("/v1/completions", content="prompt=Hi", headers=form)
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = client.post("/v1/completions")
+    assert r.status_code == 400 and r.json()["error"]["message"] == "the request has no body: send a JSON object"
 
 
 def test_unknown_fields_are_ignored(client):
