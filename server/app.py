@@ -100,10 +100,11 @@ class JsonBodyMiddleware:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope.get("method") == "POST":
-            headers = [(k, v) for k, v in scope.get("headers", []) if k != b"content-type"]
-            kinds = [v for k, v in scope.get("headers", []) if k == b"content-type"]
-            if not kinds or not _is_json(kinds[0]):
-                scope = {**scope, "headers": headers + [(b"content-type", b"application/json")]}
+            headers = scope.get("headers", [])
+            kind = next((v for k, v in headers if k == b"content-type"), None)
+            if kind is None or not _is_json(kind):  # a JSON request (the usual one) passes as it is
+                scope = {**scope, "headers": [(k, v) for k, v in headers if k != b"content-type"]
+                         + [(b"content-type", b"application/json")]}
         return await self.app(scope, receive, send)
 
 
