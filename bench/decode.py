@@ -104,9 +104,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--kv-cache-gib", type=float, default=None)
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8 (e4m3)")
-    ap.add_argument("--quantization", default=None, help="fp8: e4m3 layer weights (default: 16-bit)")
-    ap.add_argument("--fp8-accumulation", default="fast", help="fast or promoted (the server's setting)")
-    ap.add_argument("--dtype", default="auto", help="auto, float16 or bfloat16 (the server's setting)")
+    settings.add_weight_flags(ap)
     ap.add_argument("--schedule-prompts-ahead", action=argparse.BooleanOptionalAction, default=True,
                     help="as the server's setting (--no-schedule-prompts-ahead: off)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
@@ -119,8 +117,7 @@ def main() -> None:
     sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
     batches = [int(b) for b in args.batch.split(",")]
     kv = int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None
-    config = EngineConfig(model=args.model, device=args.device, quantization=args.quantization,
-                          fp8_accumulation=args.fp8_accumulation, dtype=args.dtype,
+    config = EngineConfig(model=args.model, device=args.device, **settings.weight_settings(args),
                           cache=CacheConfig(kv_cache_bytes=kv, kv_cache_dtype=args.kv_cache_dtype),
                           scheduler=SchedulerConfig(max_num_seqs=max(batches), max_waiting=max(batches),
                                                     max_num_batched_tokens=max(2048, max(batches)),
@@ -134,7 +131,7 @@ def main() -> None:
     engine.shutdown()
     device = getattr(engine.runner, "device", "?")
     print(f"model={args.model} device={device} dtype={args.dtype} kv_cache_dtype={args.kv_cache_dtype} "
-          f"quantization={args.quantization} prompt_len={args.prompt_len} "
+          f"quantization={args.quantization}{' (LM head too)' * args.quantize_lm_head} prompt_len={args.prompt_len} "
           f"max_tokens={args.max_tokens} temperature={args.temperature} top_p={args.top_p} top_k={args.top_k}"
           + (f" bandwidth={results[0]['bandwidth_gb_s']:.0f} GB/s" if "bandwidth_gb_s" in results[0] else ""))
     print(f"{'batch':>6} {'tok/s':>10} {'decode tok/s':>13} {'ms/step':>9} {'phase tok/s':>12} {'roofline tok/s':>15} "

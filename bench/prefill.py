@@ -84,11 +84,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--lengths", default="128,256,512,1024,2048,4096,8192")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--quantization", default=None, help="fp8: e4m3 layer weights; the floor then takes the fp8 "
-                    "GEMM rate")
-    ap.add_argument("--fp8-accumulation", default="fast", help="fast or promoted (the server's setting)")
-    ap.add_argument("--dtype", default="auto", help="auto, float16 or bfloat16 (the server's setting; the floor "
-                    "keeps the fp16 GEMM rate, which Hopper's bfloat16 products share)")
+    settings.add_weight_flags(ap, quantization_help="fp8: e4m3 layer weights; the floor then takes the fp8 GEMM "
+                              "rate", dtype_help="auto, float16 or bfloat16 (the server's setting; the floor keeps "
+                              "the fp16 GEMM rate, which Hopper's bfloat16 products share)")
     ap.add_argument("--json")
     settings.add_flag(ap)
     args = ap.parse_args()
@@ -96,7 +94,7 @@ def main() -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     longest = max(lengths)
     config = EngineConfig(model=args.model, device=args.device, cache=CacheConfig(kv_cache_bytes=8 << 30),
-                          quantization=args.quantization, fp8_accumulation=args.fp8_accumulation, dtype=args.dtype,
+                          **settings.weight_settings(args),
                           scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=longest,
                                                     max_model_len=longest + 16))
     engine = settings.build_engine(chosen, config)

@@ -354,8 +354,7 @@ async def run_engine(args) -> list[dict]:
     from engine.engine_process import EngineProcess
     gib = int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None
     config = EngineConfig(
-        model=args.engine, device=args.device, quantization=args.quantization,
-        fp8_accumulation=args.fp8_accumulation, dtype=args.dtype,
+        model=args.engine, device=args.device, **settings.weight_settings(args),
         cache=CacheConfig(kv_cache_bytes=gib, kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_waiting=max(args.num_prompts, 1),
                                   max_num_batched_tokens=max(args.budgets),
@@ -485,10 +484,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     engine = ap.add_argument_group("engine mode (no HTTP)")
     engine.add_argument("--engine", metavar="MODEL", help="drive this model's engine (no HTTP) instead of --url")
     engine.add_argument("--device", default="auto")
-    engine.add_argument("--quantization", default=None)
-    engine.add_argument("--fp8-accumulation", default="fast", help="fast or promoted (the server's setting)")
+    settings.add_weight_flags(engine)
     engine.add_argument("--kv-cache-dtype", default="auto")
-    engine.add_argument("--dtype", default="auto", help="auto, float16 or bfloat16 (the server's setting)")
     engine.add_argument("--kv-cache-gib", type=float, default=None)
     engine.add_argument("--max-num-seqs", type=int, default=256)
     engine.add_argument("--max-num-batched-tokens", default="8192",

@@ -11,6 +11,9 @@ VALUE is a Python literal (True, 0.5, (16, 32), 'text'). The setting must exist 
 process, or in the engine's own: build_engine), and the module that reads it must read it there
 at run time (a name another module imported with `from ... import` keeps its old value there).
 A server's engine is out of reach: these are for the engine-mode benchmarks.
+
+The weight flags those benchmarks share with the server (--quantization, --fp8-accumulation,
+--quantize-lm-head, --dtype) are here too (add_weight_flags).
 """
 
 from __future__ import annotations
@@ -73,6 +76,22 @@ def apply(settings: list[Setting]) -> None:
                              f"{type(old).__name__} ({old!r})")
         setattr(mod, name, value)
         log.warning("--set %s.%s = %r (was %r)", module, name, value, old)
+
+
+def add_weight_flags(ap, quantization_help: str = "fp8: e4m3 layer weights (default: 16-bit)",
+                     dtype_help: str = "auto, float16 or bfloat16 (the server's setting)") -> None:
+    """The server's weight settings, for the benchmarks that build an engine (weight_settings)."""
+    ap.add_argument("--quantization", default=None, help=quantization_help)
+    ap.add_argument("--fp8-accumulation", default="fast", help="fast or promoted (the server's setting)")
+    ap.add_argument("--quantize-lm-head", action="store_true",
+                    help="with --quantization fp8, the LM head as e4m3 too (the server's setting)")
+    ap.add_argument("--dtype", default="auto", help=dtype_help)
+
+
+def weight_settings(args) -> dict:
+    """EngineConfig's fields from add_weight_flags' flags."""
+    return {"quantization": args.quantization, "fp8_accumulation": args.fp8_accumulation,
+            "quantize_lm_head": args.quantize_lm_head, "dtype": args.dtype}
 
 
 def build_engine(settings: list[Setting], config):

@@ -179,6 +179,11 @@ def check_quantization(value: str | None) -> None:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} (or unset), got {value!r}")
 
 
+def check_lm_head(quantize_lm_head: bool, quantization: str | None) -> None:
+    if quantize_lm_head and quantization != "fp8":
+        raise ValueError("quantize_lm_head needs quantization fp8 (the LM head is quantized as the layers are)")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Size of the KV pool. `kv_cache_bytes` wins; otherwise the GPU runner takes
@@ -281,6 +286,7 @@ class EngineConfig:
     cpu_weight_dtype: str = "auto"
     quantization: str | None = None  # None (the checkpoint's 16-bit weights) or "fp8" (CUDA only)
     fp8_accumulation: str = "fast"  # FP8_ACCUMULATIONS, for quantization "fp8"
+    quantize_lm_head: bool = False  # with quantization "fp8": the LM head as e4m3 too (vLLM keeps it 16-bit)
     dtype: str = "auto"  # DTYPES: the 16-bit type of weights and activations (compute_dtype)
     cache_dir: str = field(default_factory=lambda: str(_default_cache_dir()))  # downloads, compiled kernels
 
@@ -291,6 +297,7 @@ class EngineConfig:
         if self.fp8_accumulation not in FP8_ACCUMULATIONS:
             raise ValueError(f"fp8_accumulation must be one of {', '.join(FP8_ACCUMULATIONS)}, "
                              f"got {self.fp8_accumulation!r}")
+        check_lm_head(self.quantize_lm_head, self.quantization)
         if self.cpu_weight_dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"cpu_weight_dtype must be auto, float32, float16 or bfloat16, "
                              f"got {self.cpu_weight_dtype!r}")

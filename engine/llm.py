@@ -32,13 +32,14 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  kv_cache_bytes: int | None = None, seed: int | None = None, quantization: str | None = None,
                  dtype: str = "auto", kv_cache_dtype: str = "auto", gpu_memory_utilization: float = 0.90,
-                 enforce_eager: bool = False) -> None:
+                 enforce_eager: bool = False, quantize_lm_head: bool = False) -> None:
         """vLLM's LLM arguments where the engine has them: quantization ("fp8"), dtype, kv_cache_dtype
         ("fp8"), gpu_memory_utilization (the K/V pool's share of the GPU's memory, unless
-        kv_cache_bytes), enforce_eager; the server's settings of the same names mean the same."""
+        kv_cache_bytes), enforce_eager; and quantize_lm_head (ours). The server's settings of the
+        same names mean the same."""
         config = EngineConfig(
             model=model, device=device, seed=seed, quantization=quantization, dtype=dtype,
-            enforce_eager=enforce_eager,
+            enforce_eager=enforce_eager, quantize_lm_head=quantize_lm_head,
             cache=CacheConfig(kv_cache_bytes=kv_cache_bytes, gpu_memory_utilization=gpu_memory_utilization,
                               kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

@@ -316,14 +316,15 @@ def gemm_fp8(xq: cp.ndarray, w: Fp8Matrix, out: cp.ndarray, fast_accum: bool = F
 
 def gemm_fp8_scaled(xq: cp.ndarray, x_scale: cp.ndarray, w: Fp8Matrix, out: cp.ndarray,
                     fast_accum: bool = False, add: bool = False) -> bool:
-    """out (M, N) bfloat16 (uint16 bits) = the product of the scaled matrices, (xq * x_scale[:,
-    None]) @ (w.data * w.scale[:, None])^T, the scales applied in cuBLASLt's epilogue: its
-    reader needs no scales. Its rounding differs from gemm_fp8's (the scaled sum is rounded to
-    bfloat16 once, where gemm_fp8's reader scales the rounded raw sum). add: out += the product
-    instead, in the epilogue (a residual stream's add; out's type's rounding of the sum and of
-    the product, as a 16-bit product added to the stream has). Returns False, having written
-    nothing, where cuBLASLt has no algorithm for it (the caller then takes gemm_fp8)."""
-    M, N, K, out_type = _fp8_shape(xq, w, out, (np.uint16,))
+    """out (M, N) bfloat16 (uint16 bits) or float32 (an fp8 LM head's logits) = the product of
+    the scaled matrices, (xq * x_scale[:, None]) @ (w.data * w.scale[:, None])^T, the scales
+    applied in cuBLASLt's epilogue: its reader needs no scales. Its rounding differs from
+    gemm_fp8's (the scaled sum is rounded to bfloat16 once, where gemm_fp8's reader scales the
+    rounded raw sum). add: out += the product instead, in the epilogue (a residual stream's add;
+    out's type's rounding of the sum and of the product, as a 16-bit product added to the stream
+    has). Returns False, having written nothing, where cuBLASLt has no algorithm for it (the
+    caller then takes gemm_fp8)."""
+    M, N, K, out_type = _fp8_shape(xq, w, out, (np.uint16, np.float32))
     check(x_scale, "x_scale", np.float32, (M,))
     if M == 0:
         return True

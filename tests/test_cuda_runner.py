@@ -23,10 +23,10 @@ DATA = json.loads((Path(__file__).parent / "data" / "llamacpp_smollm2.json").rea
 
 
 def cuda_runner(model, max_model_len=2048, max_num_seqs=16, eager=False, kv_bytes=1 << 30, kv_dtype="auto",
-                quantization=None, fp8_accumulation="fast", budget=2048, dtype="auto"):
+                quantization=None, fp8_accumulation="fast", budget=2048, dtype="auto", quantize_lm_head=False):
     from engine.runner.cuda_runner import CudaRunner
     config = EngineConfig(model="test", device="cuda", enforce_eager=eager, quantization=quantization,
-                          fp8_accumulation=fp8_accumulation, dtype=dtype,
+                          fp8_accumulation=fp8_accumulation, dtype=dtype, quantize_lm_head=quantize_lm_head,
                           cache=CacheConfig(kv_cache_bytes=kv_bytes, kv_cache_dtype=kv_dtype),
                           scheduler=SchedulerConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                                     max_num_batched_tokens=max(budget, max_num_seqs)))
@@ -339,6 +339,44 @@ def test_fp8_products_on_wgmma_in_the_decode_graph(tmp_path, monkeypatch):
     shapes = {(512, 256), (256, 256), (1024, 256), (256, 512)}  # qkv, o, gate/up, down: (N, K)
     assert {(n, k) for (m, n, k, _), c in G._wgmma_plans.items() if m == 32 and c is not None} == shapes
     print(f"fp8 products on wgmma, 24 decode rows: min cosine {cos.min():.5f}, mean {cos.mean():.5f}")
+    assert cos.mean() >= 0.99 and cos.min() >= 0.95
+
+
+@pytest.mark.parametrize("name", ["llama", "llama_tied_mha"])
+def test_fp8_lm_head_stays_close(tmp_path, name):
+    """--quantize-lm-head: the LM head as an Fp8Matrix (a tied one beside the 16-bit embedding,
+    an untied one instead of its 16-bit form), counted so in the weights' bytes. Its logits stay
+    close to the 16-bit head's with the same fp8 layers: a prompt's rows through cuBLASLt's
+    epilogue-scaled product into float32, a 5-row decode step through the skinny GEMM's fp8 path,
+    and 24 decode rows through the captured graph (the same bits as eager) against NumPy."""
+    from kernels_cuda.quant import Fp8Matrix
+    path = build_tiny_model(tmp_path, name, seed=5)
+    model = load_model(str(path), with_tokenizer=False)
+    base = cuda_runner(model, max_model_len=REGION, quantization="fp8")
+    head = cuda_runner(model, max_model_len=REGION, quantization="fp8", quantize_lm_head=True)
+    w0, w1 = base.weights, head.weights
+    assert isinstance(w1.lm_head, Fp8Matrix) and not isinstance(w1.embed_tokens, Fp8Matrix)
+    assert (w0.lm_head is w0.embed_tokens) == model.config.tie_word_embeddings
+    untied = 0 if model.config.tie_word_embeddings else w0.lm_head.nbytes
+    assert head.weight_bytes - base.weight_bytes == w1.lm_head.nbytes - untied
+    assert head.decode_step_bytes(0) - base.decode_step_bytes(0) == w1.lm_head.nbytes - w0.lm_head.nbytes
+    r = np.random.default_rng(3)
+    prompts = [r.integers(0, VOCAB, k).tolist() for k in (23, 9, 17)]
+    logits = {}
+    for key, runner in (("base", base), ("head", head)):
+        prefill = runner.forward(prefill_step(prompts), all_logits=True)  # 49 rows
+        step = decode_step([5, 6, 7], [len(p) for p in prompts])
+        for row in step.seqs:
+            row.sampling = SamplingParams(temperature=0)
+        runner.execute(step)
+        logits[key] = (prefill, cp.asnumpy(runner.buffers.logits[:3]))
+    for label, a, b in zip(("prefill", "decode"), logits["head"], logits["base"]):
+        cos = cosines(a, b)
+        print(f"fp8 LM head ({name}), {label}: min cosine {cos.min():.5f} to the 16-bit head's, "
+              f"max error {np.abs(a - b).max() / np.abs(b).max():.4f} of the largest")
+        assert np.isfinite(a).all() and cos.min() >= 0.995
+    cos = decode_graph_against_eager(model, 24, quantization="fp8", quantize_lm_head=True)
+    print(f"fp8 LM head ({name}), 24 decode rows: min cosine {cos.min():.5f}, mean {cos.mean():.5f} to NumPy")
     assert cos.mean() >= 0.99 and cos.min() >= 0.95
 
 

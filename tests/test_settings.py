@@ -96,6 +96,20 @@ def test_quantization_setting(tmp_path, monkeypatch):
         make_runner(EngineConfig(model="tiny", device="cpu", quantization="fp8"), model)
 
 
+def test_quantize_lm_head_setting(monkeypatch):
+    """--quantize-lm-head (off by default, as vLLM keeps the LM head 16-bit) needs --quantization fp8."""
+    assert ServeSettings(quantization="fp8").engine_config().quantize_lm_head is False
+    got = resolve_settings(parse("--quantization", "fp8", "--quantize-lm-head")).engine_config()
+    assert got.quantize_lm_head is True and got.quantization == "fp8"
+    monkeypatch.setenv("CUSERVE_QUANTIZE_LM_HEAD", "true")
+    assert resolve_settings(parse("--quantization", "fp8")).quantize_lm_head is True
+    with pytest.raises(ValueError, match="quantize_lm_head needs quantization fp8"):
+        resolve_settings(parse())
+    from engine.config import EngineConfig
+    with pytest.raises(ValueError, match="quantize_lm_head needs quantization fp8"):
+        EngineConfig(model="m", quantize_lm_head=True)
+
+
 def test_dtype_setting(tmp_path, monkeypatch):
     """--dtype: the 16-bit type the runners compute in; auto follows the checkpoint."""
     from engine.config import EngineConfig

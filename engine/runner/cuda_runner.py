@@ -609,6 +609,8 @@ class CudaRunner:
                     self.lm_head_q8 = self._stored_q8_lm_head(weights)
             if self.quant_fp8:
                 self._quantize_layers(in_place=not given)
+                if config.quantize_lm_head and not isinstance(self.weights.lm_head, Fp8Matrix):
+                    self.weights = dataclasses.replace(self.weights, lm_head=quantize_matrix(self.weights.lm_head))
                 cp.get_default_memory_pool().free_all_blocks()
             self._down_blocks: list[cp.ndarray] | None = None  # see _mlp_down
             if self.fuse_mlp:
@@ -650,7 +652,8 @@ class CudaRunner:
         self.last_roofline_fraction: float | None = None  # of the last decode step timed, for /metrics
         self._decode_steps = 0  # submitted: every ROOFLINE_EVERY-th is timed
         log.info("CUDA runner: %s weights%s, decode buffers %.1f MiB, KV pool %d slots (%.2f GiB, %s), graphs for %s",
-                 self.dtype_name, (" (layers fp8 e4m3)" if self.quant_fp8 else "")
+                 self.dtype_name, (f" (layers{' and LM head' * config.quantize_lm_head} fp8 e4m3)"
+                                   if self.quant_fp8 else "")
                  + (f" (LM head also Q8_0 for steps of <= {GEMV_MAX_ROWS} rows)" if self.lm_head_q8 else ""),
                  self.buffers.memory_bytes() / 2**20,
                  self.num_kv_slots, self.kv_pool_bytes / 2**30, "fp8 e4m3" if self.kv_fp8 else self.dtype_name,
@@ -697,7 +700,8 @@ class CudaRunner:
 
     def _quantize_layers(self, in_place: bool) -> None:
         """--quantization fp8: each layer's four matrices -> e4m3 with a scale per output
-        feature (the embedding and LM head stay 16-bit, as in vLLM), one layer at a time.
+        feature (the embedding and LM head stay 16-bit, as in vLLM, unless quantize_lm_head),
+        one layer at a time.
         in_place (weights this runner loaded): each layer's 16-bit matrices are dropped as
         soon as it is done, so the peak is the 16-bit model plus one layer; otherwise new
         layer objects, and weights a caller passed in stay as they were."""
@@ -859,15 +863,27 @@ class CudaRunner:
 
     def _lm_head(self, n: int):
         """The LM head that a product of n rows reads: the stored Q8_0 form up to GEMV_MAX_ROWS
-        rows where kept (lm_head_q8), else the 16-bit form. One form for every such step, so a
-        sequence's logits do not depend on what else is in it (batch invariance)."""
+        rows where kept (lm_head_q8), else the loaded one (16-bit, or an Fp8Matrix with
+        quantize_lm_head). One form for every such step, so a sequence's logits do not depend on
+        what else is in it (batch invariance)."""
         q8 = self.lm_head_q8
         return q8 if q8 is not None and n <= GEMV_MAX_ROWS else self.weights.lm_head
 
     def _logits(self, n: int) -> None:
-        """logits[:n] = the LM head (_lm_head's form for n rows) of final_norm_out[:n]."""
+        """logits[:n] = the LM head (_lm_head's form for n rows) of final_norm_out[:n]. An fp8
+        LM head past GEMV_MAX_ROWS rows is scaled in cuBLASLt's epilogue into float32: the
+        sampling kernel reads finished logits (H200, 8B shape, graphs, us: 256 rows 451.6 ->
+        234.9 with the rows' quantize, 128 rows 292.3 -> 156.4; its raw sums and a pass to scale
+        them: 527.5 / 322.1)."""
         b = self.buffers
-        self._linear(b.final_norm_out[:n], self._lm_head(n), b.logits[:n])
+        x, head, logits = b.final_norm_out[:n], self._lm_head(n), b.logits[:n]
+        if isinstance(head, Fp8Matrix) and n > GEMV_MAX_ROWS:
+            xq, x_scale = self._quantized(x)
+            if not gemm_fp8_scaled(xq, x_scale, head, logits, self.fp8_fast_accum):
+                raise RuntimeError("cuBLASLt offers no float8 product scaled in its epilogue into float32 here, "
+                                   "which an fp8 LM head needs: run without --quantize-lm-head")
+            return
+        self._linear(x, head, logits)
 
     # ------------------------------------------------------------------ the model
 
