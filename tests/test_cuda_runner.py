@@ -93,6 +93,25 @@ def test_smollm2_fp8_weights_stay_close(smollm2, smollm2_runner, accumulation):
     assert cos.min() >= 0.95 and agree >= 0.6  # H200: min cosine 0.973, 8 of 12 top-1
 
 
+def test_smollm2_fp8_lm_head_costs_little_more(smollm2, smollm2_runner):
+    """--quantize-lm-head on the real model (its tied embedding as the LM head, in e4m3 rows):
+    the teacher-forced prefill, fp8 layers with and without it, both against the float32 NumPy
+    runner. The head's own rounding costs less than the layers' (the bounds below are the fp8
+    layers' test's), and the two runs pick the same top-1 token at most positions."""
+    base = cuda_runner(smollm2, quantization="fp8")
+    head = cuda_runner(smollm2, quantization="fp8", quantize_lm_head=True)
+    assert type(head.weights.lm_head).__name__ == "Fp8Matrix"
+    cos0, agree0 = teacher_forced(base, smollm2_runner, "SmolLM2 fp8 layers")
+    cos1, agree1 = teacher_forced(head, smollm2_runner, "SmolLM2 fp8 layers and LM head")
+    ids = DATA["teacher"]["ids"]
+    a = base.forward(prefill_step([ids]), all_logits=True)
+    b = head.forward(prefill_step([ids]), all_logits=True)
+    same = float((a.argmax(1) == b.argmax(1)).mean())
+    print(f"SmolLM2 fp8 LM head against the 16-bit head: min cosine {cosines(a, b).min():.5f}, "
+          f"top-1 the same at {same:.4f} of {len(ids)} positions")
+    assert cos1.mean() >= 0.98 and agree1 >= 0.9 and same >= 0.9
+
+
 @pytest.mark.parametrize("name,kv_dtype,quant,dtype", [
     ("llama", "auto", None, None), ("qwen2", "auto", None, None), ("mistral", "auto", None, None),
     ("llama_tied_mha", "auto", None, None), ("llama_hd64", "fp8", None, None), ("mistral_hd32", "fp8", None, None),
