@@ -63,7 +63,7 @@ class ServeSettings:
                                "prefill on Hopper, ~0.2-0.3 % rms error in the sums against e4m3's own ~3.6 %) "
                                "or promoted (into float32 now and then)", FP8_ACCUMULATIONS)
     quantize_lm_head: bool = _s(False, "bool", "with --quantization fp8, the LM head as float8 e4m3 too, with a "
-                                "scale per vocabulary row (vLLM keeps it 16-bit): half its reads and, from 32 rows "
+                                "scale per vocabulary row (vLLM keeps it 16-bit): half its reads and, past 16 rows "
                                 "a step, its products at the float8 rate (8B: ~0.1 ms a decode step at 1 row, ~0.2 "
                                 "ms at 256); logits off by ~1-4 %, so a near tie may pick another token")
     dtype: str = _s("auto", "str", "the 16-bit type of weights and activations: auto (the checkpoint's: bfloat16 "
