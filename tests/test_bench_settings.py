@@ -67,3 +67,20 @@ def test_the_engine_process_applies_the_settings_before_its_engine(smollm2_path)
     finally:
         engine.shutdown()
     assert read_setting(None, module, name) == here
+
+
+def test_weight_flags_give_the_engine_config_fields():
+    """The weight flags that decode.py, prefill.py and serve.py --engine share with the server
+    (add_weight_flags) become EngineConfig's fields, and the config checks them as the server's do."""
+    import argparse
+
+    from engine import EngineConfig
+    ap = argparse.ArgumentParser()
+    settings.add_weight_flags(ap)
+    fields = settings.weight_settings(ap.parse_args([]))
+    assert fields == {"quantization": None, "fp8_accumulation": "fast", "quantize_lm_head": False, "dtype": "auto"}
+    args = ap.parse_args(["--quantization", "fp8", "--quantize-lm-head", "--dtype", "bfloat16"])
+    config = EngineConfig(model="m", **settings.weight_settings(args))
+    assert (config.quantization, config.quantize_lm_head, config.dtype) == ("fp8", True, "bfloat16")
+    with pytest.raises(ValueError, match="quantize_lm_head needs quantization fp8"):
+        EngineConfig(model="m", **settings.weight_settings(ap.parse_args(["--quantize-lm-head"])))
