@@ -25,6 +25,11 @@ moves from wave to wave in whole engine steps.
 With --serve, this script starts `cuserve serve` with those flags on a free local port, waits
 until /health answers, runs the load --loads times against it and stops it (its log goes to
 --serve-log, else a temporary file that the output names). --loads works with --url too.
+--serve given twice or more compares servers: each is started in turn (A, B, ..., again
+--rounds times), and the end lists every server's loads side by side, its mean throughput as
+a ratio to A's, and its flags; the JSON tags each load with its server, flags and round:
+
+    python bench/serve.py --serve "$FLAGS" --serve "$FLAGS --quantize-lm-head" --rounds 2 --loads 2 ...
 
 With --engine, the same load drives the engine in this process (no HTTP, no tokenizer),
 and every engine step is traced: how many decode rows and prompt tokens it ran and how
@@ -466,9 +471,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="client processes sharing the load (HTTP; default: one per 64 streams): one Python "
                          "client falls behind a server that sends ~20k events/s, and then measures itself")
     ap.add_argument("--json")
-    ap.add_argument("--serve", metavar="ARGS",
-                    help="start `cuserve serve ARGS` on a free local port for the load(s), then stop it (--url unused)")
-    ap.add_argument("--serve-log", help="--serve: the server's log (default: a temporary file, named in the output)")
+    ap.add_argument("--serve", metavar="ARGS", action="append",
+                    help="start `cuserve serve ARGS` on a free local port for the load(s), then stop it (--url "
+                         "unused); given again, each server in turn (A, B, ...; --rounds), compared at the end")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="--serve: start the servers in turn this many times (A, B, A, B, ...), --loads each")
+    ap.add_argument("--serve-log", help="--serve: the server's log (default: a temporary file, named in the output); "
+                                        "with several servers or rounds, each its own, e.g. server-B2.log")
     ap.add_argument("--serve-timeout", type=float, default=900.0,
                     help="--serve: seconds to wait for /health (default 900: an 8B model's random weights, fp8 "
                          "quantization, product tuning and graph capture)")
@@ -516,10 +525,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--kernel-trace-steps: expected FIRST,COUNT (two positive integers), got {args.kernel_trace_steps!r}")
     if args.kernel_trace and not args.engine:
         ap.error("--kernel-trace needs --engine (the recording runs where the engine does)")
-    if args.engine and (args.serve or args.loads != 1):
-        ap.error("--serve and --loads are for HTTP loads (with --engine, list budgets in --max-num-batched-tokens)")
-    if args.loads < 1:
-        ap.error(f"--loads must be >= 1, got {args.loads}")
+    if args.engine and (args.serve or args.loads != 1 or args.rounds != 1):
+        ap.error("--serve, --loads and --rounds are for HTTP loads (with --engine, list budgets in "
+                 "--max-num-batched-tokens)")
+    if args.loads < 1 or args.rounds < 1:
+        ap.error(f"--loads and --rounds must be >= 1, got {args.loads} and {args.rounds}")
+    if args.rounds > 1 and not args.serve:
+        ap.error("--rounds needs --serve (it starts the servers again)")
+    if args.serve and len(args.serve) > 26:
+        ap.error("--serve: at most 26 servers (labelled A to Z)")
     try:
         args.budgets = [int(b) for b in str(args.max_num_batched_tokens).split(",")]
     except ValueError:
@@ -533,39 +547,56 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    if args.engine:
-        summaries = asyncio.run(run_engine(args))
-    else:
-        with served(args):
-            summaries = []
-            for i in range(args.loads):
-                summaries.append(run(args))
-                if args.loads > 1:
-                    summaries[-1]["load"] = i + 1
-                    report(args, summaries[-1], flush=True)  # as each ends: a long series may be cut off
+    summaries = asyncio.run(run_engine(args)) if args.engine else run_http(args)
     if args.json:
         Path(args.json).write_text(json.dumps(summaries[0] if len(summaries) == 1 else summaries, indent=1))
-    if args.engine or args.loads == 1:
+    if args.engine or len(summaries) == 1:
         for summary in summaries:
             report(args, summary)
+    if len({s.get("server") for s in summaries}) > 1 or args.rounds > 1:
+        print("\n".join(compare(summaries)))
+
+
+def run_http(args) -> list[dict]:
+    """The HTTP loads: --loads against --url, or against each --serve server in turn, --rounds
+    times; with more than one load, each summary tagged (server, round, load) and reported as it
+    ends (a long series may be cut off)."""
+    serve = args.serve or [None]
+    labelled = len(serve) > 1 or args.rounds > 1  # the servers named A, B, ... and their rounds counted
+    summaries = []
+    for rnd in range(1, args.rounds + 1):
+        for i, cmd in enumerate(serve):
+            label = chr(ord("A") + i) if labelled else None
+            with served(args, cmd, label, rnd):
+                for load in range(1, args.loads + 1):
+                    summaries.append(run(args))
+                    if labelled or args.loads > 1:
+                        summaries[-1].update(load=load, **({"server": label, "serve": cmd, "round": rnd}
+                                                           if labelled else {}))
+                        report(args, summaries[-1], flush=True)
+    return summaries
 
 
 @contextlib.contextmanager
-def served(args):
-    """--serve: `cuserve serve` with its flags on a free local port while the block runs (args.url
-    set to it), its log in --serve-log or a temporary file; else nothing."""
-    if not args.serve:
+def served(args, cmd: str | None, label: str | None = None, rnd: int = 1):
+    """`cuserve serve CMD` on a free local port while the block runs (args.url set to it), its log
+    in --serve-log (with several servers or rounds, `-{label}{round}` before its suffix) or a
+    temporary file; nothing without CMD."""
+    if cmd is None:
         yield
         return
+    tag = f"-{label}{rnd}" if label else ""
     if args.serve_log:
         log = Path(args.serve_log)
+        log = log.with_name(f"{log.stem}{tag}{log.suffix}")
     else:
-        fd, name = tempfile.mkstemp(prefix="cuserve-serve-", suffix=".log")
+        fd, name = tempfile.mkstemp(prefix=f"cuserve-serve{tag}-", suffix=".log")
         log = Path(name)
         os.close(fd)
     start = time.monotonic()
-    proc = start_server(*shlex.split(args.serve), log_path=log, timeout=args.serve_timeout)
-    print(f"server ready at {proc.url} after {time.monotonic() - start:.0f} s (log: {log})", flush=True)
+    proc = start_server(*shlex.split(cmd), log_path=log, timeout=args.serve_timeout)
+    print(f"server {label + ' ' if label else ''}ready at {proc.url} after {time.monotonic() - start:.0f} s "
+          f"(log: {log})", flush=True)
     args.url = proc.url
     try:
         yield
@@ -573,11 +604,33 @@ def served(args):
         proc.stop()
 
 
+def compare(summaries: list[dict]) -> list[str]:
+    """The loads of each server (summaries tagged by run_http) side by side: output tok/s and the
+    client's TTFT p50 of each load in order, the mean throughput and its ratio to the first
+    server's."""
+    groups: dict[str, list[dict]] = {}
+    for s in summaries:
+        groups.setdefault(s.get("server") or "-", []).append(s)
+    first = None
+    lines = ["servers compared (loads in the order run):"]
+    for label, loads in groups.items():
+        tok = " / ".join(f"{s['output_throughput']:.1f}" for s in loads)
+        ttft = " / ".join(f"{s['ttft_ms']['p50']:.1f}" for s in loads)
+        mean = statistics.fmean(s["output_throughput"] for s in loads)
+        first = first or mean
+        lines.append(f"  {label}: {len(loads)} loads, output tok/s {tok}, mean {mean:.1f} "
+                     f"({mean / first:.4f}x {next(iter(groups))}); TTFT p50 {ttft} ms")
+        if loads[0].get("serve"):
+            lines.append(f"     cuserve serve {loads[0]['serve']}")
+    return lines
+
+
 def report(args, summary: dict, flush: bool = False) -> None:
     if "max_num_batched_tokens" in summary:
         print(f"max_num_batched_tokens {summary['max_num_batched_tokens']}:")
     if "load" in summary:
-        print(f"load {summary['load']} of {args.loads}:")
+        where = f"server {summary['server']}, round {summary['round']}, " if "server" in summary else ""
+        print(f"{where}load {summary['load']} of {args.loads}:")
     print(f"{summary['completed']}/{args.num_prompts} ok in {summary['duration_s']:.2f}s: "
           f"{summary['request_throughput']:.2f} req/s, {summary['output_throughput']:.1f} output tok/s")
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):

@@ -1,9 +1,12 @@
-"""bench/serve.py's reading of the server's latency histograms (GET /metrics), by which an HTTP
-load reports the server's own TTFT and queue time beside the client's."""
+"""bench/serve.py: its reading of the server's latency histograms (GET /metrics), by which an HTTP
+load reports the server's own TTFT and queue time beside the client's; --serve's servers started
+in turn and their loads compared."""
 
 from __future__ import annotations
 
 import math
+
+import pytest
 
 from bench.serve import SERVER_HISTOGRAMS, histogram_delta, parse_histograms
 from server.metrics import Metrics
@@ -63,9 +66,10 @@ def test_the_server_s_loop_lag_counts_a_blocked_loop():
     assert lag.sum >= 0.03
 
 
-def test_serve_starts_a_server_runs_the_loads_and_stops_it(smollm2_path, tmp_path):
-    """bench/serve.py --serve ... --loads 2: one `cuserve serve` (SmolLM2 on the CPU) for two
-    loads, each reported and in the JSON's list; the server is gone afterwards."""
+def test_serve_starts_servers_in_turn_runs_the_loads_and_stops_them(smollm2_path, tmp_path):
+    """bench/serve.py --serve A --serve B --loads 2: `cuserve serve` (SmolLM2 on the CPU) with each
+    set of flags in turn, two loads each, every load reported and in the JSON's list with its server;
+    each server's own log; the two compared at the end; no server left afterwards."""
     import json
     import subprocess
     import sys
@@ -74,21 +78,37 @@ def test_serve_starts_a_server_runs_the_loads_and_stops_it(smollm2_path, tmp_pat
     import httpx
     root = Path(__file__).resolve().parent.parent
     out, log = tmp_path / "serve.json", tmp_path / "server.log"
+    flags = f"--model {smollm2_path} --device cpu --max-model-len 256 --kv-cache-gib 1 --max-num-seqs "
     result = subprocess.run(
-        [sys.executable, "bench/serve.py", "--serve", f"--model {smollm2_path} --device cpu --max-model-len 256 "
-         "--kv-cache-gib 1 --max-num-seqs 4", "--serve-log", str(log), "--loads", "2", "--num-prompts", "4",
-         "--input-len", "8", "--output-len", "3", "--concurrency", "2", "--vocab", "1000", "--no-gpu-clocks",
-         "--json", str(out)], cwd=root, capture_output=True, text=True, timeout=600)
+        [sys.executable, "bench/serve.py", "--serve", flags + "4", "--serve", flags + "2", "--serve-log", str(log),
+         "--loads", "2", "--num-prompts", "4", "--input-len", "8", "--output-len", "3", "--concurrency", "2",
+         "--vocab", "1000", "--no-gpu-clocks", "--json", str(out)], cwd=root, capture_output=True, text=True,
+        timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     loads = json.loads(out.read_text())
-    assert [s["load"] for s in loads] == [1, 2]
+    assert [(s["server"], s["round"], s["load"]) for s in loads] == [("A", 1, 1), ("A", 1, 2), ("B", 1, 1), ("B", 1, 2)]
+    assert [s["serve"] for s in loads] == [flags + "4"] * 2 + [flags + "2"] * 2
     assert all(s["completed"] == 4 and s["failed"] == 0 and not s["errors"] for s in loads), loads
-    assert "load 2 of 2:" in result.stdout and f"(log: {log})" in result.stdout
-    url = result.stdout.split("server ready at ", 1)[1].split()[0]
-    assert log.read_text()  # the server wrote its log there
-    try:
-        httpx.get(url + "/health", timeout=2)
-        up = True
-    except httpx.HTTPError:
-        up = False
-    assert not up  # stopped after the loads
+    assert "server B, round 1, load 2 of 2:" in result.stdout and "servers compared" in result.stdout
+    for label in "AB":
+        log_path = tmp_path / f"server-{label}1.log"
+        assert f"(log: {log_path})" in result.stdout and log_path.read_text()  # each server's own log
+    for url in (line.split(" ready at ", 1)[1].split()[0] for line in result.stdout.splitlines()
+                if " ready at " in line):
+        with pytest.raises(httpx.HTTPError):  # stopped after its loads
+            httpx.get(url + "/health", timeout=2)
+
+
+def test_compare_puts_each_servers_loads_side_by_side():
+    from bench.serve import compare
+
+    def load(server, tok, ttft):
+        return {"server": server, "serve": f"--flags-{server}", "output_throughput": tok, "ttft_ms": {"p50": ttft}}
+
+    lines = compare([load("A", 100.0, 10.0), load("B", 102.0, 11.0), load("A", 102.0, 12.0), load("B", 104.0, 13.0)])
+    assert lines == [
+        "servers compared (loads in the order run):",
+        "  A: 2 loads, output tok/s 100.0 / 102.0, mean 101.0 (1.0000x A); TTFT p50 10.0 / 12.0 ms",
+        "     cuserve serve --flags-A",
+        "  B: 2 loads, output tok/s 102.0 / 104.0, mean 103.0 (1.0198x A); TTFT p50 11.0 / 13.0 ms",
+        "     cuserve serve --flags-B"]
