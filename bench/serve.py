@@ -29,7 +29,11 @@ until /health answers, runs the load --loads times against it and stops it (its 
 --rounds times), and the end lists every server's loads side by side, its mean throughput as
 a ratio to A's, and its flags; the JSON tags each load with its server, flags and round:
 
-    python bench/serve.py --serve "$FLAGS" --serve "$FLAGS --quantize-lm-head" --rounds 2 --loads 2 ...
+    python bench/serve.py --serve "$FLAGS" --serve "$FLAGS --quantize-lm-head" --rounds 2 --loads 2 \
+        --goal 12000,150 ...
+
+--goal TOK_S,TTFT_MS adds, for each server, in how many loads the throughput and the client's
+TTFT p50 reached it.
 
 With --engine, the same load drives the engine in this process (no HTTP, no tokenizer),
 and every engine step is traced: how many decode rows and prompt tokens it ran and how
@@ -476,6 +480,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "unused); given again, each server in turn (A, B, ...; --rounds), compared at the end")
     ap.add_argument("--rounds", type=int, default=1,
                     help="--serve: start the servers in turn this many times (A, B, A, B, ...), --loads each")
+    ap.add_argument("--goal", metavar="TOK_S,TTFT_MS",
+                    help="with several loads: count those that reach this output tok/s with this client TTFT "
+                         "p50 or lower (issue 6's serving target: 12000,150)")
     ap.add_argument("--serve-log", help="--serve: the server's log (default: a temporary file, named in the output); "
                                         "with several servers or rounds, each its own, e.g. server-B2.log")
     ap.add_argument("--serve-timeout", type=float, default=900.0,
@@ -532,6 +539,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--loads and --rounds must be >= 1, got {args.loads} and {args.rounds}")
     if args.rounds > 1 and not args.serve:
         ap.error("--rounds needs --serve (it starts the servers again)")
+    if args.goal is not None:
+        try:
+            goal = tuple(float(v) for v in args.goal.split(","))
+            if len(goal) != 2:
+                raise ValueError
+        except ValueError:
+            ap.error(f"--goal: expected TOK_S,TTFT_MS (two numbers), got {args.goal!r}")
+        args.goal = goal
     if args.serve and len(args.serve) > 26:
         ap.error("--serve: at most 26 servers (labelled A to Z)")
     try:
@@ -553,8 +568,8 @@ def main() -> None:
     if args.engine or len(summaries) == 1:
         for summary in summaries:
             report(args, summary)
-    if len({s.get("server") for s in summaries}) > 1 or args.rounds > 1:
-        print("\n".join(compare(summaries)))
+    if len({s.get("server") for s in summaries}) > 1 or args.rounds > 1 or (args.goal and len(summaries) > 1):
+        print("\n".join(compare(summaries, args.goal)))
 
 
 def run_http(args) -> list[dict]:
@@ -604,10 +619,10 @@ def served(args, cmd: str | None, label: str | None = None, rnd: int = 1):
         proc.stop()
 
 
-def compare(summaries: list[dict]) -> list[str]:
+def compare(summaries: list[dict], goal: tuple[float, float] | None = None) -> list[str]:
     """The loads of each server (summaries tagged by run_http) side by side: output tok/s and the
     client's TTFT p50 of each load in order, the mean throughput and its ratio to the first
-    server's."""
+    server's; goal (output tok/s, TTFT p50 ms): in how many loads each half and both held."""
     groups: dict[str, list[dict]] = {}
     for s in summaries:
         groups.setdefault(s.get("server") or "-", []).append(s)
@@ -622,6 +637,11 @@ def compare(summaries: list[dict]) -> list[str]:
                      f"({mean / first:.4f}x {next(iter(groups))}); TTFT p50 {ttft} ms")
         if loads[0].get("serve"):
             lines.append(f"     cuserve serve {loads[0]['serve']}")
+        if goal:
+            fast = [s["output_throughput"] >= goal[0] for s in loads]
+            quick = [s["ttft_ms"]["p50"] <= goal[1] for s in loads]
+            lines.append(f"     goal >= {goal[0]:g} tok/s with TTFT p50 <= {goal[1]:g} ms: throughput in {sum(fast)}, "
+                         f"TTFT in {sum(quick)}, both in {sum(map(all, zip(fast, quick)))} of {len(loads)} loads")
     return lines
 
 

@@ -112,3 +112,6 @@ def test_compare_puts_each_servers_loads_side_by_side():
         "     cuserve serve --flags-A",
         "  B: 2 loads, output tok/s 102.0 / 104.0, mean 103.0 (1.0198x A); TTFT p50 11.0 / 13.0 ms",
         "     cuserve serve --flags-B"]
+    goal = compare([load("A", 100.0, 10.0), load("A", 102.0, 12.0), load("A", 103.0, 11.5)], goal=(101.0, 11.5))
+    assert goal[-1] == ("     goal >= 101 tok/s with TTFT p50 <= 11.5 ms: throughput in 2, TTFT in 2, both in 1 "
+                        "of 3 loads")
