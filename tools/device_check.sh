@@ -6,7 +6,8 @@
 #            the skinny-GEMM sweep, prefill attention alone and TTFT; PROFILE=1: per-kernel times (ncu)
 #   stage 2: assemble SmolLM2 from the stored and carried parts; runner, engine and server tests on the GPU
 #            and the SmolLM2 decode benchmark (TESTS=0 skips these); FULL_BENCH=1, LOAD=1: the benchmarks;
-#            SERVE=1: only FULL_BENCH's serving part
+#            SERVE=1: only FULL_BENCH's serving part; SERVE_TARGET=1: issue 6's serving target over HTTP (fp8, the
+#            default budget, bfloat16), the default LM head against --quantize-lm-head, LOADS (2) loads each
 # Logs go to $OUT (the tool brings them back); a summary table is printed last.
 # Wheels the lent machines lack (cp312, manylinux x86_64; match the versions in your venv): fastapi,
 #   starlette, pydantic, pydantic_core, typing_extensions, typing_inspection, annotated_types, annotated_doc,
@@ -129,6 +130,14 @@ else
                 > "$OUT/serve${sfx}_metrics.log"
             kill $srv; wait $srv 2>/dev/null
         done
+    fi
+    if [ "${SERVE_TARGET:-0}" = 1 ]; then  # issue 6's serving target: each server in turn, compared at the end
+        flags="--model random:llama3-8b --max-num-seqs 256 --quantization fp8 --kv-cache-dtype fp8 --dtype bfloat16"
+        flags="$flags --kv-cache-gib 40 --max-model-len 2048"
+        run serve_target timeout 560 python3 bench/serve.py --serve "$flags" --serve "$flags --quantize-lm-head" \
+            --loads "${LOADS:-2}" --num-prompts 1024 --input-len 512 --output-len 128 --concurrency 256 \
+            --vocab 120000 --goal 12000,150 --serve-log "$OUT/serve_target_server.log" --json "$OUT/serve_target.json"
+        grep -A8 "servers compared" "$OUT/serve_target.log"
     fi
     if [ "${LOAD:-0}" = 1 ]; then  # issue 8's load test (500 requests, 64 concurrent, 10 % dropped) on the GPU
         for spec in "smollm2:$model" "llama3-8b:random:llama3-8b"; do
