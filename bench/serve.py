@@ -489,8 +489,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="--serve: seconds to wait for /health (default 900: an 8B model's random weights, fp8 "
                          "quantization, product tuning and graph capture)")
     ap.add_argument("--loads", type=int, default=1,
-                    help="HTTP: run the load this many times against the one server, each reported (the JSON is "
-                         "then a list)")
+                    help="HTTP: run the load this many times against the server (each --serve server), each "
+                         "reported (the JSON is then a list)")
     ap.add_argument("--gpu-clocks", action=argparse.BooleanOptionalAction, default=None,
                     help="sample the GPU's SM clock and power draw during the load (nvidia-smi; default: "
                          "with --engine or a server on this host); reported, and in the JSON as \"gpu\"")
@@ -626,15 +626,15 @@ def compare(summaries: list[dict], goal: tuple[float, float] | None = None) -> l
     groups: dict[str, list[dict]] = {}
     for s in summaries:
         groups.setdefault(s.get("server") or "-", []).append(s)
-    first = None
+    means = {label: statistics.fmean(s["output_throughput"] for s in loads) for label, loads in groups.items()}
+    base_label, base = next(iter(means.items()))
     lines = ["servers compared (loads in the order run):"]
     for label, loads in groups.items():
         tok = " / ".join(f"{s['output_throughput']:.1f}" for s in loads)
         ttft = " / ".join(f"{s['ttft_ms']['p50']:.1f}" for s in loads)
-        mean = statistics.fmean(s["output_throughput"] for s in loads)
-        first = first or mean
-        lines.append(f"  {label}: {len(loads)} loads, output tok/s {tok}, mean {mean:.1f} "
-                     f"({mean / first:.4f}x {next(iter(groups))}); TTFT p50 {ttft} ms")
+        ratio = f"{means[label] / base:.4f}x {base_label}" if base > 0 else f"{base_label} produced nothing"
+        lines.append(f"  {label}: {len(loads)} loads, output tok/s {tok}, mean {means[label]:.1f} ({ratio}); "
+                     f"TTFT p50 {ttft} ms")
         if loads[0].get("serve"):
             lines.append(f"     cuserve serve {loads[0]['serve']}")
         if goal:

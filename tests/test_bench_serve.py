@@ -115,3 +115,5 @@ def test_compare_puts_each_servers_loads_side_by_side():
     goal = compare([load("A", 100.0, 10.0), load("A", 102.0, 12.0), load("A", 103.0, 11.5)], goal=(101.0, 11.5))
     assert goal[-1] == ("     goal >= 101 tok/s with TTFT p50 <= 11.5 ms: throughput in 2, TTFT in 2, both in 1 "
                         "of 3 loads")
+    failed = compare([load("A", 0.0, 0.0), load("B", 50.0, 9.0)])  # A's loads all failed: no ratio to it
+    assert failed[3] == "  B: 1 loads, output tok/s 50.0, mean 50.0 (A produced nothing); TTFT p50 9.0 ms"
