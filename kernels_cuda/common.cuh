@@ -113,14 +113,25 @@ __device__ __forceinline__ vec8 float_to_vec8(const float in[8]) {
     return out;
 }
 
-// SiLU(g) * u = g / (1 + e^-g) * u; every kernel that applies SiLU (the activation kernel,
-// the gate/up product's epilogue, mlp_block) shares it so all give the same bits. The
-// exponential and the division are the hardware's approximate ones (ex2.approx, rcp.approx:
-// relative error ~1e-7, far below the 16-bit rounding of the result): 6 instructions where
-// tanhf took ~18, which left silu_mul issue-bound in steps of many rows (H200, 2,044 x 14,336
-// with e4m3 codes out, graph-timed: 52.2 -> 47.6 us). Past |g| ~ 87, e^-g is 0 or inf and the
-// quotient g or -0, SiLU's limits.
-__device__ __forceinline__ float silu_times(float g, float u) { return __fdividef(g, 1.0f + __expf(-g)) * u; }
+// SiLU(g) * u = g / (1 + e^-g) * u = (h + h tanh(h)) * u with h = g / 2; every kernel that
+// applies SiLU (the activation kernel, the gate/up product's epilogue, mlp_block) shares it so all
+// give the same bits. One hardware tanh (tanh.approx.f32, sm_75+: relative error ~2^-11, so an
+// absolute error ~2.4e-4 |g|, less than the 16-bit rounding that SiLU's output gets in every
+// kernel: NumPy runner, SmolLM2 teacher-forced, docs/performance.md's fifty-seventh session): one
+// MUFU op a value where e^-g and the division took two, and before them tanhf ~18 instructions.
+// H200, silu_mul at 2,040 x 14,336, bfloat16 into e4m3 codes, graph-timed: 41.0 -> 38.7 us
+// (256 rows 8.3 -> 7.7); a mixed step's 32 in place (eager) 1.47-1.58 -> 1.35-1.42 ms. Past
+// |h| ~ 9, tanh is +-1 and the result g or 0, SiLU's limits. Older GPUs keep the exp form.
+__device__ __forceinline__ float silu_times(float g, float u) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 750
+    const float h = 0.5f * g;
+    float t;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(h));
+    return fmaf(h, t, h) * u;
+#else
+    return __fdividef(g, 1.0f + __expf(-g)) * u;
+#endif
+}
 
 // RoPE of one (x1, x2) pair in the rotate-half layout (x1 at j, x2 at j + HEAD_DIM / 2).
 __device__ __forceinline__ void rope_rotate(float x1, float x2, float c, float s, float &o1, float &o2) {
@@ -138,6 +149,14 @@ __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
+}
+
+// (value, index) max with ties to the lower index
+__device__ __forceinline__ void argmax_pair(float &v, int &i, float ov, int oi) {
+    if (ov > v || (ov == v && oi < i)) {
+        v = ov;
+        i = oi;
+    }
 }
 
 // The sums of an RMSNorm over float4s of a row, shared by rmsnorm.cu and the skinny GEMM's

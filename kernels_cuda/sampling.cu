@@ -38,14 +38,6 @@ __device__ __forceinline__ float block_max_f(float v) {
     return block_max(v, scratch);
 }
 
-// (value, index) max with ties to the lower index
-__device__ __forceinline__ void argmax_pair(float &v, int &i, float ov, int oi) {
-    if (ov > v || (ov == v && oi < i)) {
-        v = ov;
-        i = oi;
-    }
-}
-
 __device__ __forceinline__ int block_argmax(float v, int i) {
     __shared__ float sv[32];
     __shared__ int si[32];

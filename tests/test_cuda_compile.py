@@ -48,6 +48,7 @@ VARIANTS = {"flash_decode": [{"HEAD_DIM": 64, "GROUP": 3}, {"HEAD_DIM": 128, "GR
                         {"ROW_THREADS": 128, "HIDDEN": 4096, "RES16": 1, "QUANT_OUT": 1, "ROW_DELTA": 0}],
             "quant": [{}, {"Q_ROW_THREADS": 128, "Q_K": 4096}, {"Q_ROW_THREADS": 32, "Q_K": 256}],
             "embedding": [{}, {"RES16": 1}],
+            "rescore": [{}, {"CAND": 1}, {"CAND": 32}],
             "gemv": [{}, {"HEAD_DIM": 64, "KV_FP8": 1}, {"DEPTH": 4}, {"W_FP8": 1}, {"W_FP8": 1, "DEPTH": 4},
                      {"PRELOAD": 1}, {"PRELOAD": 1, "W_FP8": 1}, {"NORM_IN": 1, "HEAD_DIM": 64},
                      {"NORM_IN": 1, "W_FP8": 1, "PRELOAD": 1}, {"STAGED": 1, "DEPTH": 4, "MIN_BLOCKS": 4},

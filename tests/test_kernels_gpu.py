@@ -524,6 +524,56 @@ def test_silu_mul(dtype, inter, prod16):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_within_its_output_rounding_everywhere(dtype):
+    """SiLU * up on one hardware tanh (common.cuh's silu_times): over gates from -60 to 60, each
+    value within its 16-bit rounding plus the tanh's ~2^-11 relative error on g / 2, and SiLU's
+    limits at both ends (g * u far above zero, 0 far below)."""
+    from kernels_cuda.activation import silu_mul
+    inter = 4096
+    g = np.linspace(-60, 60, inter, dtype=np.float32)
+    u = rng.uniform(0.5, 2, inter).astype(np.float32)
+    gu = np.concatenate([g, u])[None, :]
+    got = from_dev(silu_mul(cp.asarray(gu), out_dtype=np.uint16 if dtype == "bfloat16" else np.float16))[0]
+    exact = (g.astype(np.float64) / (1 + np.exp(-g.astype(np.float64))) * u).astype(np.float32)
+    ulp = 2.0 ** -8 if dtype == "bfloat16" else 2.0 ** -11
+    bound = np.abs(exact) * ulp + 2.0 ** -10 * np.abs(g / 2) * u + 1e-7
+    np.testing.assert_array_less(np.abs(got - exact), bound)
+    assert np.abs(got[g <= -20]).max() < 1e-5 and np.allclose(got[g >= 20], rounded(g * u, dtype)[g >= 20], rtol=ulp)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,vocab,cand", [(1, 128256, 8), (3, 49152, 8), (300, 5003, 8), (40, 1000, 1),
+                                             (2, 70, 32), (5, 6, 8)])
+def test_rescore_replaces_the_largest_logits_with_exact_ones(dtype, rows, vocab, cand):
+    """rescore.rescore: each row's `cand` largest logits (of one split or many; a vocabulary of
+    whole float4s or not; fewer logits than candidates) become x[row] . head[id] in float32, every
+    other logit keeps its bits; NaN and -inf logits are never candidates."""
+    from kernels_cuda.rescore import rescore, splits
+    hidden = 264
+    x = rng.standard_normal((rows, hidden)).astype(np.float32)
+    head = rng.standard_normal((vocab, hidden)).astype(np.float32) * 0.1
+    xd, hd = to_dev(x, dtype), to_dev(head, dtype)
+    exact = rounded(x, dtype).astype(np.float64) @ rounded(head, dtype).astype(np.float64).T
+    logits = (exact + rng.standard_normal(exact.shape) * 0.05).astype(np.float32)  # an fp8 head's error
+    if vocab > 2 * cand:
+        logits[0, 1] = np.nan
+        logits[0, 2] = -np.inf
+        logits[-1, -1] = 1e30  # a candidate at the very end of a row
+    before = logits.copy()
+    dev = cp.asarray(logits)
+    rescore(dev, xd, hd, cand)
+    got = cp.asnumpy(dev)
+    for r in range(rows):
+        order = np.argsort(-np.nan_to_num(before[r], nan=-np.inf), kind="stable")
+        top = [i for i in order[:cand] if before[r, i] > -np.inf]  # NaN is not
+        changed = np.flatnonzero(got[r].view(np.uint32) != before[r].view(np.uint32))
+        assert set(changed) <= set(top)
+        np.testing.assert_allclose(got[r, top], exact[r, top], rtol=1e-5, atol=1e-5)
+    assert np.isnan(got[0, 1]) == (vocab > 2 * cand)
+    print(f"rescore {rows} x {vocab}: {splits(rows, vocab)} slices a row")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("inter", [14336, 18944, 1000])  # two blocks an SM; one; a row short of a block's threads
 @pytest.mark.parametrize("quant", [False, True], ids=["out16", "codes"])
 @pytest.mark.parametrize("scaled", [False, True], ids=["plain", "fp8sums"])

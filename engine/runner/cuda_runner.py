@@ -49,6 +49,7 @@ from kernels_cuda.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from kernels_cuda.gemv import NormIn, gemv, gemv_rope, gemv_silu
 from kernels_cuda.quant import Fp8Matrix, Q8Matrix, quantize_matrix, quantize_rows
 from kernels_cuda.rmsnorm import add_rms_norm, rms_norm, rows_kernel
+from kernels_cuda.rescore import candidate_buffers, rescore
 from kernels_cuda.rope import rope_kv_write
 from kernels_cuda.sampling import sample_tokens, token_logprobs
 
@@ -184,6 +185,14 @@ ATTENTION_IN_GRAPH = True
 # 16-bit form everywhere.
 Q8_LM_HEAD = True
 Q8_LM_HEAD_MIN_HIDDEN = 2048
+
+# --quantize-lm-head: each row's this many largest logits of the e4m3 head are recomputed from its
+# 16-bit form (kernels_cuda/rescore.py), which stays on the device (an untied head: 2 bytes a value
+# beside the e4m3 copy's 1). Greedy decoding then picks the 16-bit head's token wherever that token
+# is among the e4m3 head's largest CAND (SmolLM2, CPU emulation: always within its top 4), and
+# top-k / top-p see exact values where the probability mass is. 0: none, and an untied head's
+# 16-bit form is freed.
+LM_HEAD_RESCORE = 8
 
 # bfloat16 models carry the residual stream in bfloat16 (not float32) in steps of more than
 # GEMV_MAX_ROWS rows, as the model itself (and vLLM, and HF transformers) add it: add + RMSNorm
@@ -472,6 +481,8 @@ class DecodeBuffers:
     # --quantization fp8, steps of more than GEMV_MAX_ROWS rows: a matrix product's input as
     # e4m3 codes (flat, up to (A, widest K)) and a scale per row
     act_q: cp.ndarray | None = None
+    # an fp8 LM head's candidates (values, ids) while they are rescored (rescore.candidate_buffers)
+    head_cand: tuple[cp.ndarray, cp.ndarray] | None = None
     act_scale: cp.ndarray | None = None
     # steps whose products make their own normed rows (CudaRunner._fold_norms): the residual
     # stream's other buffer, (FOLD_NORM_MAX_ROWS, hidden) f32, as the products write the sum
@@ -493,6 +504,7 @@ class DecodeBuffers:
                   self.gate_up_out, self.mlp_act, self.down_out]
         shared += [a for a in (self.act_q, self.act_scale, self.res_alt, self.o_parts, self.down_parts)
                    if a is not None]
+        owned += list(self.head_cand or ())
         return self.inputs.nbytes + self.ragged.nbytes + sum(a.nbytes for a in owned + shared)
 
 
@@ -595,6 +607,8 @@ class CudaRunner:
 
         # the LM head as stored in a GGUF file where that is Q8_0 (Q8_LM_HEAD; see _lm_head)
         self.lm_head_q8: Q8Matrix | None = None
+        # an fp8 LM head's 16-bit form, whose rows rescore its largest logits (LM_HEAD_RESCORE)
+        self.lm_head_exact: cp.ndarray | None = None
         with self.stream:
             given = isinstance(weights, ModelWeights)
             if given:
@@ -610,6 +624,8 @@ class CudaRunner:
             if self.quant_fp8:
                 self._quantize_layers(in_place=not given)
                 if config.quantize_lm_head and not isinstance(self.weights.lm_head, Fp8Matrix):
+                    if LM_HEAD_RESCORE:
+                        self.lm_head_exact = self.weights.lm_head
                     self.weights = dataclasses.replace(self.weights, lm_head=quantize_matrix(self.weights.lm_head))
                 cp.get_default_memory_pool().free_all_blocks()
             self._down_blocks: list[cp.ndarray] | None = None  # see _mlp_down
@@ -652,7 +668,9 @@ class CudaRunner:
         self.last_roofline_fraction: float | None = None  # of the last decode step timed, for /metrics
         self._decode_steps = 0  # submitted: every ROOFLINE_EVERY-th is timed
         log.info("CUDA runner: %s weights%s, decode buffers %.1f MiB, KV pool %d slots (%.2f GiB, %s), graphs for %s",
-                 self.dtype_name, (f" (layers{' and LM head' * config.quantize_lm_head} fp8 e4m3)"
+                 self.dtype_name, (f" (layers{' and LM head' * config.quantize_lm_head} fp8 e4m3"
+                                   + (f", its {LM_HEAD_RESCORE} largest logits a row rescored in 16 bits"
+                                      if self.lm_head_exact is not None else "") + ")"
                                    if self.quant_fp8 else "")
                  + (f" (LM head also Q8_0 for steps of <= {GEMV_MAX_ROWS} rows)" if self.lm_head_q8 else ""),
                  self.buffers.memory_bytes() / 2**20,
@@ -793,6 +811,7 @@ class CudaRunner:
             lp_rank=cp.zeros(R, np.int32),
             lp_top_ids=cp.zeros((R, MAX_LOGPROBS), np.int32),
             lp_top_values=cp.zeros((R, MAX_LOGPROBS), np.float32),
+            head_cand=candidate_buffers(R, V, LM_HEAD_RESCORE) if self.lm_head_exact is not None else None,
             pen_counts=cp.zeros((R + 1, V), np.int32),
             pen_prompt_mask=cp.zeros((R + 1, (V + 31) // 32), np.uint32),
         )
@@ -874,7 +893,8 @@ class CudaRunner:
         LM head past GEMV_MAX_ROWS rows is scaled in cuBLASLt's epilogue into float32: the
         sampling kernel reads finished logits (H200, 8B shape, graphs, us: 256 rows 451.6 ->
         234.9 with the rows' quantize, 128 rows 292.3 -> 156.4; its raw sums and a pass to scale
-        them: 527.5 / 322.1)."""
+        them: 527.5 / 322.1). Its largest logits a row are then recomputed from the 16-bit form
+        where that is kept (LM_HEAD_RESCORE)."""
         b = self.buffers
         x, head, logits = b.final_norm_out[:n], self._lm_head(n), b.logits[:n]
         if isinstance(head, Fp8Matrix) and n > GEMV_MAX_ROWS:
@@ -882,8 +902,10 @@ class CudaRunner:
             if not gemm_fp8_scaled(xq, x_scale, head, logits, self.fp8_fast_accum):
                 raise RuntimeError("cuBLASLt offers no float8 product scaled in its epilogue into float32 here, "
                                    "which an fp8 LM head needs: run without --quantize-lm-head")
-            return
-        self._linear(x, head, logits)
+        else:
+            self._linear(x, head, logits)
+        if isinstance(head, Fp8Matrix) and self.lm_head_exact is not None:
+            rescore(logits, x, self.lm_head_exact, LM_HEAD_RESCORE, b.head_cand, pdl=self._launch_pdl)
 
     # ------------------------------------------------------------------ the model
 
