@@ -632,6 +632,48 @@ def mixed_table(shape_name: str, decodes: int, context: int, prompts: int, promp
     return out
 
 
+def lm_head_table(shape: dict, batches: list[int], cand: int = 8) -> list[str]:
+    """The shape's LM head alone (graphs of ten launches, us a launch) at these row counts: 16-bit,
+    e4m3 (--quantize-lm-head's product: the skinny GEMM up to 16 rows, else the rows quantized and
+    cuBLASLt's epilogue-scaled product into float32), e4m3 with each row's `cand` largest logits
+    rescored from the 16-bit head (rescore.py), and the rescore alone. Random weights (std 0.02)
+    and inputs: the logits the rescore reads are a real product's, not zeros."""
+    from kernels_cuda.gemm import gemm, gemm_fp8_scaled
+    from kernels_cuda.gemv import MAX_ROWS, gemv
+    from kernels_cuda.quant import quantize_matrix, quantize_rows
+    from kernels_cuda.rescore import candidate_buffers, rescore
+    V, H = shape["vocab_size"], shape["hidden_size"]
+    rng = cp.random.default_rng(0)
+    w = (rng.standard_normal((V, H), dtype=cp.float32) * 0.02).astype(cp.float16)
+    wq = quantize_matrix(w)
+    scratch = candidate_buffers(max(batches), V, cand)
+    out = [f"LM head {V} x {H}, us a launch: 16-bit | fp8 | fp8 + rescore ({cand}) | rescore alone"]
+    for n in batches:
+        x = rng.standard_normal((n, H), dtype=cp.float32).astype(cp.float16)
+        logits = cp.empty((n, V), cp.float32)
+        q, qs = cp.empty((n, H), cp.uint8), cp.empty(n, cp.float32)
+
+        def head16():
+            (gemv if n <= MAX_ROWS else gemm)(x, w, logits)
+
+        def head8():
+            if n <= MAX_ROWS:
+                gemv(x, wq, logits)
+            else:
+                quantize_rows(x, q, qs)
+                if not gemm_fp8_scaled(q, qs, wq, logits, True):
+                    raise RuntimeError("cuBLASLt has no epilogue-scaled fp8 product into float32 here")
+
+        def rescored():
+            head8()
+            rescore(logits, x, w, cand, scratch)
+
+        times = [1e3 * time_graph(fn) for fn in (head16, head8, rescored)]
+        times.append(1e3 * time_graph(lambda: rescore(logits, x, w, cand, scratch)))
+        out.append(f"  {n:4d} rows: " + " | ".join(f"{t:8.1f}" for t in times))
+    return out
+
+
 SAMPLING_CASES = (("greedy", 0.0, 0, 1.0), ("t 0.8", 0.8, 0, 1.0), ("t 0.8 top_p 0.9", 0.8, 0, 0.9),
                   ("t 0.8 top_k 50", 0.8, 50, 1.0), ("t 0.8 top_k 50 top_p 0.9", 0.8, 50, 0.9),
                   ("t 1.0 top_p 0.9", 1.0, 0, 0.9))  # the last: a nucleus of 6,422 of 128,256 logits
@@ -711,6 +753,8 @@ def main() -> None:
                     "kernel and the decode attention left out in turn (timing only): what each costs in place, and stop")
     ap.add_argument("--read-patterns", action="store_true", help="HBM read bandwidth of the skinny GEMM's grid by "
                     "the addresses a warp load covers (bench/read_patterns.cu), and stop")
+    ap.add_argument("--lm-head", action="store_true", help="the shape's LM head alone at --batch rows: 16-bit, "
+                    "e4m3 and e4m3 with its largest logits rescored (--quantize-lm-head), and stop")
     ap.add_argument("--sampling", action="store_true", help="the sampling kernel alone at the shape's vocabulary, "
                     "--batch rows: greedy, temperature, top-p, top-k (bench/kernels.py's SAMPLING_CASES), and stop")
     args = ap.parse_args()
@@ -721,6 +765,10 @@ def main() -> None:
         return
     if args.read_patterns:
         print("\n".join(read_pattern_table()))
+        return
+    if args.lm_head:
+        from engine.loader.random_model import SHAPES
+        print("\n".join(lm_head_table(SHAPES[args.shape], batches)))
         return
     if args.ncu_summary:
         print("\n".join(ncu_summary(args.ncu_summary)))

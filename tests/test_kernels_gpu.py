@@ -573,6 +573,17 @@ def test_rescore_replaces_the_largest_logits_with_exact_ones(dtype, rows, vocab,
     print(f"rescore {rows} x {vocab}: {splits(rows, vocab)} slices a row")
 
 
+def test_bench_lm_head_table_times_each_form():
+    """bench/kernels.py --lm-head on a small head: a line per row count (the skinny GEMM's and
+    cuBLAS's), each with four positive times."""
+    from bench.kernels import lm_head_table
+    lines = lm_head_table({"vocab_size": 5000, "hidden_size": 256}, [1, 20])
+    assert len(lines) == 3
+    for line in lines[1:]:
+        times = [float(t) for t in line.split(":")[1].split("|")]
+        assert len(times) == 4 and all(t > 0 for t in times)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("inter", [14336, 18944, 1000])  # two blocks an SM; one; a row short of a block's threads
 @pytest.mark.parametrize("quant", [False, True], ids=["out16", "codes"])
