@@ -410,9 +410,12 @@ def test_fp8_lm_head_stays_close(tmp_path, name):
         rows = np.arange(len(b))
         np.testing.assert_array_equal(a.argmax(1), b.argmax(1))
         np.testing.assert_allclose(a[rows, b.argmax(1)], b.max(1), rtol=1e-4, atol=1e-4)
-    exact = head.lm_head_exact
-    assert exact is (head.weights.embed_tokens if model.config.tie_word_embeddings else exact)
+    exact = head.lm_head_exact  # the 16-bit form the rescore reads: the embedding, or the untied head kept
     assert exact is not None and exact.dtype == head.scalar and exact.shape == w1.lm_head.shape
+    if model.config.tie_word_embeddings:
+        assert exact is head.weights.embed_tokens
+    else:
+        np.testing.assert_array_equal(cp.asnumpy(exact), cp.asnumpy(w0.lm_head))
     cos = decode_graph_against_eager(model, 24, quantization="fp8", quantize_lm_head=True)
     print(f"fp8 LM head ({name}), 24 decode rows: min cosine {cos.min():.5f}, mean {cos.mean():.5f} to NumPy")
     assert cos.mean() >= 0.99 and cos.min() >= 0.95
