@@ -6,18 +6,23 @@ loop's work a token delays the engine's next step, and the GPU waits. `EnginePro
 runs the `Engine` in a child process (spawned: CUDA is only ever touched there) and gives
 the server the same `EngineAPI` in this one.
 
-The wire (a multiprocessing Pipe, pickled tuples), this side -> the child:
+The child serves one or more links (multiprocessing Pipes, pickled tuples): link 0 belongs to
+the process that spawned it (`EngineProcess`), each other one to an `EngineClient` in another
+process (the server's extra HTTP processes, `--api-server-count`). A link's client -> the child:
     ("add", request_id, prompt_token_ids, params, arrival)
     ("abort", request_id)
     ("call", fn, args)   -> ("result", ok, value): fn(engine, *args) run in the child
-    ("shutdown",)
-the child -> this side:
-    ("ready", info) once, or ("failed", message) if the engine could not be built
-    ("step", outputs, events, stats, gauges, dead): one engine step's outputs (packed, without
-        their prompt ids: this side has them), the observer calls it made, the counters and
-        gauges after it, and why the engine stopped (a string) or None
+    ("close",)           the child aborts what this link added and closes its end
+    ("shutdown",)        link 0 only: the engine stops and the child ends
+the child -> a client:
+    ("ready", info) once on link 0, or ("failed", message) if the engine could not be built
+    ("step", outputs, events, stats, gauges, dead): one engine step's outputs for the requests
+        that this link added (packed, without their prompt ids: the client has them), the
+        observer calls the step made (link 0 only), the counters and gauges after it, and why
+        the engine stopped (a string) or None. Every open link gets one each step that has outputs.
     ("result", ok, value)
-Outputs and events reach this side's consumers on one reader thread, once per step.
+A closed link's requests are aborted; the child ends when link 0 closes or says "shutdown".
+Outputs and events reach a client's consumers on its one reader thread, once per step.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import threading
 import time
 import traceback
 import uuid
+from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
 from .config import EngineConfig
@@ -58,32 +64,16 @@ def _unpack(packed: Packed, prompt_token_ids: list[int]) -> RequestOutput:
                          prompt_logprobs, generated, timings, error, error_kind)
 
 
-class EngineProcess(EngineAPI):
-    """An `Engine` in a spawned child process, behind the same API as an in-process one.
+class EngineClient(EngineAPI):
+    """The `EngineAPI` of an engine process reached over one link (`conn`): what another
+    process holds (an extra HTTP server, given one of `EngineProcess.spare_links` and its
+    `info`). `shutdown` closes the link (the child aborts what this client added), not the
+    engine. If the link breaks, every request in flight here gets an error output and `dead` is set."""
 
-    The constructor returns once the child has built the engine (loaded the model, captured
-    its graphs) and raises RuntimeError if that failed. `build(config)`, a picklable
-    function, makes the child's engine (default: `Engine(config)`). If the child dies, every
-    request in flight gets an error output and `dead` is set."""
-
-    def __init__(self, config: EngineConfig, build: Callable[[EngineConfig], Engine] | None = None,
-                 log_level: int | None = None) -> None:
+    def __init__(self, conn: Connection, info: dict, config: EngineConfig) -> None:
         self.config = config
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child_conn = ctx.Pipe()
-        level = log_level if log_level is not None else logging.getLogger().getEffectiveLevel()
-        self._proc = ctx.Process(target=_child_main, args=(config, child_conn, build, level),
-                                 name="cuserve-engine", daemon=True)
-        self._proc.start()
-        child_conn.close()
-        try:
-            kind, info = self._conn.recv()
-        except (EOFError, OSError):
-            self._proc.join(5)
-            raise RuntimeError(f"the engine process exited with code {self._proc.exitcode} while starting") from None
-        if kind != "ready":
-            self._proc.join(10)
-            raise RuntimeError(info)
+        self._conn = conn
+        self.info = info
         self.model_config = info["model_config"]
         self.tokenizer = info["tokenizer"]
         self.generation_defaults = info["generation_defaults"]
@@ -102,10 +92,6 @@ class EngineProcess(EngineAPI):
         self._stopping = False
         self._reader: threading.Thread | None = None
 
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid
-
     # ------------------------------------------------------------------ api
 
     def start(self) -> None:
@@ -115,21 +101,22 @@ class EngineProcess(EngineAPI):
             self._reader.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the child's engine and wait for the process (killed if it does not exit)."""
+        """Close this link: the child aborts the requests it added (which fail here) and closes
+        its end, which ends the reader."""
         self._stopping = True
         try:
-            self._send(("shutdown",))
+            self._send(("close",))
         except (OSError, EngineDeadError):
             pass
-        self._proc.join(timeout)
-        if self._proc.is_alive():
-            log.warning("the engine process did not stop in %.0f s; killing it", timeout)
-            self._proc.kill()
-            self._proc.join(5)
-        if self._reader is not None:
+        self._close(timeout)
+
+    def _close(self, timeout: float) -> None:
+        if self._reader is not None:  # it ends when the child closes its end (a close here would not wake it)
             self._reader.join(timeout)
             self._reader = None
         self._conn.close()
+        if self.dead is None:
+            self.dead = EngineDeadError("this server process closed its link to the engine")
         self._fail_requests("the server is shutting down")
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, sink: Sink,
@@ -142,7 +129,8 @@ class EngineProcess(EngineAPI):
         request_id = request_id or uuid.uuid4().hex
         self._requests[request_id] = (sink, prompt_token_ids)
         try:
-            self._send(("add", request_id, prompt_token_ids, params, arrival if arrival is not None else time.monotonic()))
+            arrival = arrival if arrival is not None else time.monotonic()
+            self._send(("add", request_id, prompt_token_ids, params, arrival))
         except BaseException:
             self._requests.pop(request_id, None)
             raise
@@ -189,8 +177,11 @@ class EngineProcess(EngineAPI):
             except Exception:  # noqa: BLE001 - a consumer's fault must not stop the others' outputs
                 log.exception("delivering the engine's outputs failed")
         if not self._stopping:
-            self._proc.join(5)
-            self._die(f"the engine process exited (code {self._proc.exitcode})")
+            self._die(self._lost())
+
+    def _lost(self) -> str:
+        """Why the link broke, as the requests' errors say it."""
+        return "the engine process closed its link to this server process"
 
     def _on_step(self, outputs: list[Packed], events: list[tuple], stats: EngineStats, gauges: EngineGauges,
                  dead: str | None) -> None:
@@ -228,6 +219,65 @@ class EngineProcess(EngineAPI):
         flush_sinks(flush)
 
 
+class EngineProcess(EngineClient):
+    """An `Engine` in a spawned child process, behind the same API as an in-process one.
+
+    The constructor returns once the child has built the engine (loaded the model, captured
+    its graphs) and raises RuntimeError if that failed. `build(config)`, a picklable
+    function, makes the child's engine (default: `Engine(config)`). If the child dies, every
+    request in flight gets an error output and `dead` is set. With `links` > 1 the child also
+    serves `links - 1` clients in other processes: `spare_links` are their ends, to be sent
+    to them (as Process arguments) with `info` for their `EngineClient`."""
+
+    def __init__(self, config: EngineConfig, build: Callable[[EngineConfig], Engine] | None = None,
+                 log_level: int | None = None, links: int = 1) -> None:
+        if links < 1:
+            raise ValueError(f"links must be >= 1, got {links}")
+        ctx = multiprocessing.get_context("spawn")
+        pipes = [ctx.Pipe() for _ in range(links)]
+        level = log_level if log_level is not None else logging.getLogger().getEffectiveLevel()
+        self._proc = ctx.Process(target=_child_main, args=(config, [child for _, child in pipes], build, level),
+                                 name="cuserve-engine", daemon=True)
+        self._proc.start()
+        for _, child in pipes:
+            child.close()
+        conn = pipes[0][0]
+        self.spare_links = [mine for mine, _ in pipes[1:]]
+        try:
+            kind, info = conn.recv()
+        except (EOFError, OSError):
+            self._proc.join(5)
+            raise RuntimeError(f"the engine process exited with code {self._proc.exitcode} while starting") from None
+        if kind != "ready":
+            self._proc.join(10)
+            raise RuntimeError(info)
+        super().__init__(conn, info, config)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the child's engine and wait for the process (killed if it does not exit)."""
+        self._stopping = True
+        try:
+            self._send(("shutdown",))
+        except (OSError, EngineDeadError):
+            pass
+        self._proc.join(timeout)
+        if self._proc.is_alive():
+            log.warning("the engine process did not stop in %.0f s; killing it", timeout)
+            self._proc.kill()
+            self._proc.join(5)
+        for link in self.spare_links:
+            link.close()
+        self._close(timeout)
+
+    def _lost(self) -> str:
+        self._proc.join(5)
+        return f"the engine process exited (code {self._proc.exitcode})"
+
+
 # ---------------------------------------------------------------------- the child
 
 
@@ -247,75 +297,124 @@ class _Recorder(EngineObserver):
         self.events.append(("on_finished", timings))
 
 
-class _PipeSink(BatchSink):
-    """The consumer of every request in the child: one message a step to the parent."""
+class _Links(BatchSink):
+    """The consumer of every request in the child: each step's outputs split by the link whose
+    client added them, one message a step on every open link (link 0 also gets the observer's
+    calls). Sends come from the engine thread (steps) and the main thread (call results)."""
 
-    def __init__(self, engine: Engine, send: Callable[[tuple], None], recorder: _Recorder) -> None:
+    def __init__(self, engine: Engine, conns: list[Connection], recorder: _Recorder) -> None:
         super().__init__()
-        self.engine, self.send, self.recorder = engine, send, recorder
+        self.engine, self.conns, self.recorder = engine, conns, recorder
+        self.open = [True] * len(conns)
+        self._locks = [threading.Lock() for _ in conns]
+        self.owner: dict[str, int] = {}  # request id -> the link that added it, until its last output
+
+    def send(self, link: int, message: tuple) -> None:
+        """Send on one link; a link > 0 that fails is closed (its requests aborted). Link 0's
+        failure raises: the parent is gone."""
+        with self._locks[link]:
+            if not self.open[link]:
+                return
+            try:
+                self.conns[link].send(message)
+                return
+            except (OSError, ValueError):
+                if link == 0:
+                    raise
+        self.close(link)
+
+    def close(self, link: int) -> None:
+        """A client went away: abort what it added, and stop sending to it."""
+        with self._locks[link]:
+            if not self.open[link]:
+                return
+            self.open[link] = False
+            self.conns[link].close()
+        for request_id, owner in list(self.owner.items()):
+            if owner == link:
+                self.engine.abort(request_id)
 
     def _dispatch(self, batch: list[RequestOutput]) -> None:  # on the engine thread, after a step
         events, self.recorder.events = self.recorder.events, []
         self.report(batch, events)
 
     def report(self, outputs: list[RequestOutput], events: list[tuple[str, Any]]) -> None:
-        engine = self.engine
+        engine, owner = self.engine, self.owner
+        parts: list[list[Packed]] = [[] for _ in self.conns]
+        for out in outputs:
+            link = owner.pop(out.request_id, 0) if out.finished else owner.get(out.request_id, 0)
+            parts[link].append(_pack(out))
         dead = None if engine.dead is None else repr(engine.dead)
-        self.send(("step", [_pack(out) for out in outputs], events, engine.stats, engine.gauges(), dead))
+        stats, gauges = engine.stats, engine.gauges()
+        for link, part in enumerate(parts):
+            if self.open[link]:
+                self.send(link, ("step", part, events if link == 0 else [], stats, gauges, dead))
 
 
-def _child_main(config: EngineConfig, conn, build: Callable[[EngineConfig], Engine] | None, log_level: int) -> None:
+def _child_main(config: EngineConfig, conns: list[Connection], build: Callable[[EngineConfig], Engine] | None,
+                log_level: int) -> None:
     # ^C in a terminal and a SIGTERM to the whole group reach this process too: the server's
     # process handles them (drains its requests), then sends "shutdown"; a parent that dies
-    # without it closes the pipe, which ends this process as well
+    # without it closes link 0, which ends this process as well
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    lock = threading.Lock()
-
-    def send(message: tuple) -> None:
-        with lock:
-            conn.send(message)
-
     try:
         engine = build(config) if build is not None else Engine(config)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
         log.error("could not build the engine:\n%s", traceback.format_exc())
-        send(("failed", f"{type(exc).__name__}: {exc}"))
+        conns[0].send(("failed", f"{type(exc).__name__}: {exc}"))
         return
-    send(("ready", {"model_config": engine.model_config, "tokenizer": engine.tokenizer,
-                    "generation_defaults": engine.generation_defaults, "max_model_len": engine.max_model_len,
-                    "device": engine.device}))
     recorder = _Recorder()
+    links = _Links(engine, conns, recorder)
+    links.send(0, ("ready", {"model_config": engine.model_config, "tokenizer": engine.tokenizer,
+                             "generation_defaults": engine.generation_defaults,
+                             "max_model_len": engine.max_model_len, "device": engine.device}))
     engine.observer = recorder
-    sink = _PipeSink(engine, send, recorder)
     freeze_long_lived()  # this process serves this engine until it ends
     engine.start()
     try:
-        while True:
-            try:
-                message = conn.recv()
-            except (EOFError, OSError):  # the parent is gone
-                break
-            kind = message[0]
-            if kind == "add":  # checked by the parent (EngineProcess.add_request)
-                _, request_id, prompt_token_ids, params, arrival = message
+        while links.open[0]:
+            for conn in wait([c for c, is_open in zip(conns, links.open) if is_open]):
+                link = conns.index(conn)
                 try:
-                    engine.enqueue(Request(request_id, prompt_token_ids, params, arrival=arrival), sink)
-                except (ValueError, QueueFullError, EngineDeadError) as exc:
-                    error_kind = "overloaded" if isinstance(exc, QueueFullError) else (
-                        "invalid" if isinstance(exc, ValueError) else "internal")
-                    sink.report([RequestOutput(request_id, [], [], finished=True, error=str(exc),
-                                               error_kind=error_kind)], [])
-            elif kind == "abort":
-                engine.abort(message[1])
-            elif kind == "call":
-                try:
-                    send(("result", True, message[1](engine, *message[2])))
-                except Exception as exc:  # noqa: BLE001 - the caller gets it
-                    send(("result", False, f"{type(exc).__name__}: {exc}"))
-            elif kind == "shutdown":
-                break
+                    message = conn.recv()
+                except (EOFError, OSError):  # that client is gone (link 0: the parent)
+                    if link == 0:
+                        return
+                    links.close(link)
+                    continue
+                if not _handle(engine, links, link, message):
+                    return
     finally:
         engine.shutdown()
-        conn.close()
+        for link in range(len(conns)):
+            conns[link].close()
+
+
+def _handle(engine: Engine, links: _Links, link: int, message: tuple) -> bool:
+    """Carry out one client's message; False: stop the engine."""
+    kind = message[0]
+    if kind == "add":  # checked by the client (EngineClient.add_request)
+        _, request_id, prompt_token_ids, params, arrival = message
+        links.owner[request_id] = link
+        try:
+            engine.enqueue(Request(request_id, prompt_token_ids, params, arrival=arrival), links)
+        except (ValueError, QueueFullError, EngineDeadError) as exc:
+            error_kind = "overloaded" if isinstance(exc, QueueFullError) else (
+                "invalid" if isinstance(exc, ValueError) else "internal")
+            links.report([RequestOutput(request_id, [], [], finished=True, error=str(exc),
+                                        error_kind=error_kind)], [])
+    elif kind == "abort":
+        engine.abort(message[1])
+    elif kind == "call":
+        try:
+            result = ("result", True, message[1](engine, *message[2]))
+        except Exception as exc:  # noqa: BLE001 - the caller gets it
+            result = ("result", False, f"{type(exc).__name__}: {exc}")
+        links.send(link, result)
+    elif kind == "close":
+        links.close(link)
+    elif kind == "shutdown":
+        return link != 0
+    return True

@@ -13,7 +13,7 @@ import pytest
 
 from engine import Engine, EngineConfig, SamplingParams, SchedulerConfig
 from engine.engine import EngineDeadError, EngineObserver
-from engine.engine_process import EngineProcess
+from engine.engine_process import EngineClient, EngineProcess
 
 PROMPTS = ["The capital of France is", "def quicksort(arr):", "Once upon a time,"]
 
@@ -185,6 +185,75 @@ def test_a_killed_engine_process_fails_its_requests_not_this_process(smollm2_pat
         assert isinstance(engine.dead, EngineDeadError)
         with pytest.raises(EngineDeadError):
             asyncio.run(run(engine, ids, SamplingParams(max_tokens=2)))
+    finally:
+        engine.shutdown()
+
+
+def _running(engine) -> int:  # run in the engine's process
+    return len(engine.scheduler.running) + len(engine.scheduler.waiting)
+
+
+def test_clients_on_other_links_get_their_own_outputs_and_the_observer_stays_on_link_0(smollm2_path):
+    """An engine process with three links: each client's requests come back to it alone, with
+    the tokens the engine gives a lone request; every client sees the engine's counters, and
+    only link 0's observer is called."""
+    engine = EngineProcess(config(smollm2_path), links=3)
+    clients = [EngineClient(link, engine.info, engine.config) for link in engine.spare_links]
+    recorders = [Recorder() for _ in range(3)]
+    for api, recorder in zip([engine, *clients], recorders):
+        api.observer = recorder
+        api.start()
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    ids = [engine.tokenizer.encode(p) for p in PROMPTS]
+    try:
+        alone = [asyncio.run(run(engine, i, params)) for i in ids]
+        recorders[0].calls.clear()
+
+        async def main():
+            return await asyncio.gather(*(run(api, i, params) for api, i in zip([engine, *clients], ids)))
+
+        together = asyncio.run(main())
+        for outs, lone in zip(together, alone):
+            tokens = [[t for o in x for t in o.outputs[0].token_ids] for x in (outs, lone)]
+            assert tokens[0] == tokens[1]
+            assert outs[-1].finished and outs[-1].error is None and len({o.request_id for o in outs}) == 1
+        assert [kind for kind, _ in recorders[0].calls].count("finished") == 3
+        assert recorders[1].calls == [] and recorders[2].calls == []
+        assert clients[1].stats.generation_tokens == engine.stats.generation_tokens >= 6 * 8
+        assert clients[0].call(_pid_and_device) == (engine.pid, "cpu")
+    finally:
+        for client in clients:
+            client.shutdown()
+        engine.shutdown()
+
+
+def test_a_client_that_closes_its_link_has_its_requests_aborted_and_the_others_go_on(smollm2_path):
+    engine = EngineProcess(config(smollm2_path), links=2)
+    client = EngineClient(engine.spare_links[0], engine.info, engine.config)
+    engine.start()
+    client.start()
+    ids = engine.tokenizer.encode(PROMPTS[0])
+
+    async def main():
+        long = client.generate(ids, SamplingParams(max_tokens=400, ignore_eos=True))
+        first = await long.__anext__()
+        other = asyncio.ensure_future(run(engine, ids, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)))
+        await asyncio.sleep(0)
+        client.shutdown()  # its stream's next output is the error the shutdown gives it
+        rest = [out async for out in long]
+        return first, rest, await other
+
+    try:
+        first, rest, other = asyncio.run(main())
+        assert not first.finished and rest[-1].finished and rest[-1].error_kind == "internal"
+        assert other[-1].finished and other[-1].error is None and other[-1].num_generated_tokens == 30
+        deadline = time.monotonic() + 10
+        while engine.stats.requests_finished.get("abort", 0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the abort's output (for no one now) brings link 0 the counters
+        assert engine.stats.requests_finished.get("abort", 0) == 1
+        assert engine.call(_running) == 0
+        with pytest.raises(EngineDeadError):
+            asyncio.run(run(client, ids, SamplingParams(max_tokens=2)))
     finally:
         engine.shutdown()
 
