@@ -9,7 +9,7 @@ import threading
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -37,6 +37,9 @@ from .protocol import (
 )
 from .settings import ServeSettings
 
+if TYPE_CHECKING:
+    from .launch import ApiServers
+
 log = logging.getLogger("cuserve.server")
 # One event of a streamed response, as documented (schema tools read `schema` of text/event-stream
 # as one event before OpenAPI 3.2): data is a JSON chunk of the response, or [DONE] last.
@@ -48,15 +51,16 @@ SSE_EVENT = {"type": "object", "required": ["data"],
 class ServerState:
     """What the routes share: settings, the engine once loaded, readiness and draining."""
 
-    def __init__(self, settings: ServeSettings, engine: EngineAPI | None = None) -> None:
+    def __init__(self, settings: ServeSettings, engine: EngineAPI | None = None, metrics: Metrics | None = None,
+                 api_servers: ApiServers | None = None) -> None:
         self.settings = settings
         self.engine = engine
-        self.metrics = Metrics()
+        self.metrics = metrics if metrics is not None else Metrics(processes=settings.api_server_count)
+        self.api_servers = api_servers  # the other HTTP processes, started with the engine (launch.py)
         self.load_error: str | None = None
         self.draining = False
         self.created = int(time.time())
         self.in_flight = 0  # HTTP requests being handled (draining waits for them)
-        self.known_paths: set[str] = set()
         self.model_names = {settings.model_name, settings.model}
         if engine is not None:
             self._attach(engine)
@@ -73,9 +77,14 @@ class ServerState:
     def load(self) -> None:
         """Build and start the engine (on a thread, while /health answers 503)."""
         config = self.settings.engine_config()
-        engine = EngineProcess(config) if self.settings.engine_process else Engine(config)
+        if self.settings.engine_process:
+            engine = EngineProcess(config, links=self.settings.api_server_count)
+        else:
+            engine = Engine(config)
         self._attach(engine)
         engine.start()
+        if self.api_servers is not None:
+            self.api_servers.start(engine)
         self.engine = engine
 
     def require_engine(self) -> EngineAPI:
@@ -212,16 +221,20 @@ class CountingMiddleware:
             await self.app(scope, receive, send_status)
         finally:
             state.in_flight -= 1
-            path = scope.get("path", "")
-            state.metrics.count_http(path if path in state.known_paths else "other", status)
+            state.metrics.count_http(scope.get("path", ""), status)
 
 
 def create_app(settings: ServeSettings, engine: EngineAPI | None = None,
                on_fatal: Callable[[str], None] | None = None,
-               on_ready: Callable[[], None] | None = None) -> FastAPI:
+               on_ready: Callable[[], None] | None = None, metrics: Metrics | None = None,
+               api_servers: ApiServers | None = None) -> FastAPI:
     """The ASGI app. Without `engine`, the model loads on a thread at startup, and
-    `on_ready` runs there once it has (the CLI settles the garbage collector then)."""
-    state = ServerState(settings, engine)
+    `on_ready` runs there once it has (the CLI settles the garbage collector then). `metrics`:
+    an extra HTTP process's row of the shared table; `api_servers`: the extra HTTP processes
+    this one starts once its engine process is up, and waits for before stopping it."""
+    state = ServerState(settings, engine, metrics, api_servers)
+    if api_servers is not None:
+        api_servers.metrics_table = state.metrics.shared
     serving = OpenAIServing(state)
 
     @asynccontextmanager
@@ -246,6 +259,8 @@ def create_app(settings: ServeSettings, engine: EngineAPI | None = None,
         deadline = time.monotonic() + settings.shutdown_timeout
         while state.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        if state.api_servers is not None:  # their streams need the engine until they end
+            await asyncio.to_thread(state.api_servers.stop, max(0.0, deadline - time.monotonic()) + 5.0)
         if state.engine is not None:
             state.engine.shutdown()
 
@@ -326,7 +341,7 @@ def create_app(settings: ServeSettings, engine: EngineAPI | None = None,
         return PlainTextResponse(state.metrics.render(state.engine),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    state.known_paths = {route.path for route in app.routes}
+    state.metrics.set_paths({route.path for route in app.routes})
     app.openapi = lambda: _openapi(app, settings)
     return app
 

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
-import signal
 import sys
-import threading
 
 
 def _download(args: argparse.Namespace) -> int:
@@ -25,9 +22,7 @@ def _download(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from .app import create_app
+    from .launch import serve
     from .settings import resolve_settings
 
     try:
@@ -36,61 +31,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"cuserve serve: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    fatal: list[str] = []
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame) -> None:  # SIGTERM/SIGINT: /health turns 503 at once
-            app.state.cuserve.draining = True
-            super().handle_exit(sig, frame)
-
-        @contextlib.contextmanager
-        def capture_signals(self):
-            """uvicorn's, without re-raising the signal once the drain is done: a shutdown
-            that let every request finish exits 0 (orchestrators read a signal as a crash)."""
-            if threading.current_thread() is not threading.main_thread():
-                yield
-                return
-            original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-            try:
-                yield
-            finally:
-                for sig, handler in original.items():
-                    signal.signal(sig, handler)
-
-    def on_fatal(message: str) -> None:
-        fatal.append(message)
-        server.should_exit = True
-
-    from engine.engine import quiet_collector
-
-    # the server keeps its model for life: full collections once a minute, not every few seconds
-    app = create_app(settings, on_fatal=on_fatal, on_ready=quiet_collector)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            timeout_graceful_shutdown=int(settings.shutdown_timeout), access_log=False,
-                            timeout_keep_alive=settings.keep_alive_timeout,
-                            loop=_loop_impl(), http=_http_impl())
-    server = Server(config)
-    server.run()
-    if fatal:
-        print(f"cuserve serve: {fatal[0]}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _loop_impl() -> str:
-    try:
-        import uvloop  # noqa: F401
-        return "uvloop"
-    except ImportError:
-        return "asyncio"
-
-
-def _http_impl() -> str:
-    try:
-        import httptools  # noqa: F401
-        return "httptools"
-    except ImportError:
-        return "h11"
+    return serve(settings)
 
 
 def build_parser() -> argparse.ArgumentParser:

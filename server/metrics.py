@@ -3,12 +3,17 @@
 Gauges and counters are read from the engine at scrape time (an engine process sends them
 with every step's outputs); histograms are fed by the engine's observer hooks and by the
 HTTP layer, under one lock.
+
+With several HTTP server processes (`--api-server-count`), a scrape reaches one of them, and
+each must answer for all: every histogram and HTTP counter lives in a table of float64 cells
+shared by the processes, a row each. A process adds to its own row only; a scrape sums the rows.
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
+import multiprocessing
 import threading
 from typing import TYPE_CHECKING
 
@@ -27,29 +32,54 @@ PREFIX = "cuserve_"
 # then a request's first token, its last, and new requests all wait behind the stream of tokens
 LOOP_LAG_INTERVAL_S = 0.01
 LOOP_LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+# the HTTP counters' cells: one per (path, status), the app's paths (and "other") in a fixed order
+HTTP_STATUSES = range(100, 600)
+MAX_PATHS = 32
+
+
+def _rows(shared, width: int) -> list[memoryview]:
+    cells = memoryview(shared).cast("B").cast("d")
+    return [cells[i * width:(i + 1) * width] for i in range(len(cells) // width)]
 
 
 class Histogram:
-    def __init__(self, name: str, help: str, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> None:
+    """Cells [base, base + width) of a metrics table: a count per bucket (+Inf last), the sum, the
+    count. `observe` adds to this process's row (`row`); `render` sums every row. Without a
+    table it has one row of its own."""
+
+    def __init__(self, name: str, help: str, buckets: tuple[float, ...] = LATENCY_BUCKETS,
+                 rows: list[memoryview] | None = None, row: int = 0, base: int = 0) -> None:
         self.name, self.help, self.buckets = PREFIX + name, help, buckets
-        self.counts = [0] * (len(buckets) + 1)
-        self.sum = 0.0
-        self.count = 0
+        self.width = len(buckets) + 3
+        if rows is None:
+            rows = _rows(bytearray(8 * self.width), self.width)
+        self.rows, self.mine, self.base = rows, rows[row], base
 
     def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
-        self.count += 1
+        mine, base, n = self.mine, self.base, len(self.buckets)
+        mine[base + bisect.bisect_left(self.buckets, value)] += 1
+        mine[base + n + 1] += value
+        mine[base + n + 2] += 1
+
+    def totals(self) -> list[float]:
+        base = self.base
+        return [sum(row[base + i] for row in self.rows) for i in range(self.width)]
+
+    @property
+    def count(self) -> int:
+        return int(self.totals()[-1])
 
     def render(self) -> list[str]:
+        totals = self.totals()
+        n = len(self.buckets)
         lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
         cumulative = 0
-        for bound, n in zip(self.buckets, self.counts):
-            cumulative += n
+        for bound, count in zip(self.buckets, totals):
+            cumulative += int(count)
             lines.append(f'{self.name}_bucket{{le="{bound}"}} {cumulative}')
-        lines.append(f'{self.name}_bucket{{le="+Inf"}} {self.count}')
-        lines.append(f"{self.name}_sum {self.sum}")
-        lines.append(f"{self.name}_count {self.count}")
+        lines.append(f'{self.name}_bucket{{le="+Inf"}} {int(totals[n + 2])}')
+        lines.append(f"{self.name}_sum {totals[n + 1]}")
+        lines.append(f"{self.name}_count {int(totals[n + 2])}")
         return lines
 
 
@@ -60,16 +90,41 @@ def _metric(name: str, kind: str, help: str, samples: list[tuple[str, float]]) -
 
 
 class Metrics(EngineObserver):
-    def __init__(self) -> None:
+    """The server's histograms and HTTP counters. `processes` > 1 makes a table that many HTTP
+    processes share (`shared`, a RawArray to hand to the others as a Process argument); another
+    process passes that `shared` and its own `process` index."""
+
+    def __init__(self, processes: int = 1, shared=None, process: int = 0) -> None:
         self._lock = threading.Lock()
-        self.ttft = Histogram("time_to_first_token_seconds", "Time from arrival to the first output token.")
-        self.itl = Histogram("inter_token_latency_seconds", "Time between two output tokens of a sequence.")
-        self.e2e = Histogram("e2e_request_latency_seconds", "Time from arrival to the last output.")
-        self.queue = Histogram("request_queue_time_seconds", "Time from arrival to the first scheduled step.")
-        self.loop_lag = Histogram("event_loop_lag_seconds", "How late the HTTP event loop ran a timer: the time "
-                                  "a callback waited behind the loop's other work (sampled every "
-                                  f"{LOOP_LAG_INTERVAL_S * 1e3:g} ms).", LOOP_LAG_BUCKETS)
-        self.http: dict[tuple[str, int], int] = {}
+        specs = [("time_to_first_token_seconds", "Time from arrival to the first output token.", LATENCY_BUCKETS),
+                 ("inter_token_latency_seconds", "Time between two output tokens of a sequence.", LATENCY_BUCKETS),
+                 ("e2e_request_latency_seconds", "Time from arrival to the last output.", LATENCY_BUCKETS),
+                 ("request_queue_time_seconds", "Time from arrival to the first scheduled step.", LATENCY_BUCKETS),
+                 ("event_loop_lag_seconds", "How late the HTTP event loop ran a timer: the time a callback "
+                  f"waited behind the loop's other work (sampled every {LOOP_LAG_INTERVAL_S * 1e3:g} ms; summed "
+                  "over the HTTP processes).", LOOP_LAG_BUCKETS)]
+        width = sum(len(buckets) + 3 for _, _, buckets in specs) + MAX_PATHS * len(HTTP_STATUSES)
+        if shared is None:
+            shared = (multiprocessing.get_context("spawn").RawArray("d", processes * width) if processes > 1
+                      else bytearray(8 * width))
+        self.shared = shared
+        rows = _rows(shared, width)
+        if not 0 <= process < len(rows):
+            raise ValueError(f"process {process} is not a row of a table of {len(rows)}")
+        self.hists: list[Histogram] = []
+        base = 0
+        for name, help, buckets in specs:
+            self.hists.append(Histogram(name, help, buckets, rows, process, base))
+            base += len(buckets) + 3
+        self.ttft, self.itl, self.e2e, self.queue, self.loop_lag = self.hists
+        self._rows, self._mine, self._http_base = rows, rows[process], base
+        self.paths: list[str] = ["other"]  # the HTTP counters' paths (the app's, then "other"), in every process alike
+
+    def set_paths(self, paths: set[str]) -> None:
+        ordered = sorted(paths) + ["other"]
+        if len(ordered) > MAX_PATHS:
+            raise ValueError(f"{len(ordered)} paths for the HTTP counters, more than MAX_PATHS ({MAX_PATHS})")
+        self.paths = ordered
 
     # engine observer hooks (the thread that delivers the engine's outputs)
     def on_first_token(self, t: RequestTimings) -> None:
@@ -99,8 +154,22 @@ class Metrics(EngineObserver):
                 self.loop_lag.observe(lag)
 
     def count_http(self, path: str, status: int) -> None:
+        """One response: `path` one of `paths` (else counted as "other")."""
+        index = self.paths.index(path) if path in self.paths else len(self.paths) - 1
+        status = status if status in HTTP_STATUSES else 500
         with self._lock:
-            self.http[(path, status)] = self.http.get((path, status), 0) + 1
+            self._mine[self._http_base + index * len(HTTP_STATUSES) + status - HTTP_STATUSES.start] += 1
+
+    def http_counts(self) -> dict[tuple[str, int], int]:
+        """(path, status) -> responses, over every HTTP process."""
+        counts, base, n = {}, self._http_base, len(HTTP_STATUSES)
+        for index, path in enumerate(self.paths):
+            start = base + index * n
+            for i in range(n):
+                total = sum(row[start + i] for row in self._rows)
+                if total:
+                    counts[(path, HTTP_STATUSES.start + i)] = int(total)
+        return counts
 
     def render(self, engine: EngineAPI | None) -> str:
         lines: list[str] = []
@@ -131,8 +200,8 @@ class Metrics(EngineObserver):
                                  "Last decode step timed (one in 8): bytes read / (step time x measured bandwidth).",
                                  [("", gauges.roofline_fraction)])
         with self._lock:
-            for hist in (self.ttft, self.itl, self.e2e, self.queue, self.loop_lag):
+            for hist in self.hists:
                 lines += hist.render()
             lines += _metric("http_requests_total", "counter", "HTTP responses by path and status.",
-                             [(f'{{path="{p}",status="{s}"}}', n) for (p, s), n in sorted(self.http.items())])
+                             [(f'{{path="{p}",status="{s}"}}', n) for (p, s), n in sorted(self.http_counts().items())])
         return "\n".join(lines) + "\n"
