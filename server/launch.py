@@ -35,17 +35,24 @@ from .settings import ServeSettings
 log = logging.getLogger("cuserve.server")
 # how often an extra HTTP process looks for this one's orders (drain, force) and for its death
 WATCH_INTERVAL_S = 0.1
+START_TIMEOUT_S = 120.0  # for an extra HTTP process to accept connections, once the engine is up
 
 
 class Server(uvicorn.Server):
     """uvicorn's server with the drain the API promises: on the first SIGTERM/SIGINT /health turns
     503 at once and requests in flight finish; a second SIGINT stops at once. `on_exit(force)` runs
     on each (this process's hook to pass the order on to its other HTTP processes). With `signals`
-    False it takes none (an extra HTTP process, which its owner stops)."""
+    False it takes none (an extra HTTP process, which its owner stops). `on_started()` runs once
+    it accepts connections."""
 
-    def __init__(self, config: uvicorn.Config, app, on_exit=None, signals: bool = True) -> None:
+    def __init__(self, config: uvicorn.Config, app, on_exit=None, signals: bool = True, on_started=None) -> None:
         super().__init__(config)
-        self.app, self.on_exit, self.signals = app, on_exit, signals
+        self.app, self.on_exit, self.signals, self.on_started = app, on_exit, signals, on_started
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.on_started is not None and self.started:
+            self.on_started()
 
     def handle_exit(self, sig, frame) -> None:
         self.app.state.cuserve.draining = True
@@ -169,14 +176,25 @@ class ApiServers:
         if self.metrics_table is None:
             raise RuntimeError("ApiServers.start needs the app's metrics table")
         level = logging.getLogger().getEffectiveLevel()
+        started = []
         for index, link in enumerate(engine.spare_links, start=1):
+            ready = self._ctx.Event()
             proc = self._ctx.Process(target=_api_server_main, name=f"cuserve-http-{index}", daemon=True,
-                                     args=(self.settings, link, engine.info, engine.config,
-                                           self.metrics_table, index, self._drain, self._force, level))
+                                     args=(self.settings, link, engine.info, engine.config, self.metrics_table,
+                                           index, ready, self._drain, self._force, level))
             proc.start()
             link.close()  # the child has its copy; the engine process sees EOF only when that one closes
             self.procs.append(proc)
+            started.append(ready)
         engine.spare_links = []
+        # ready only once every process accepts connections: a load's first connections (kept alive for
+        # all of it) would otherwise all land on the processes that were up
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for proc, ready in zip(self.procs, started):
+            while not ready.wait(WATCH_INTERVAL_S):
+                if not proc.is_alive() or time.monotonic() > deadline:
+                    self.stop(0.0)
+                    raise RuntimeError(f"HTTP process {proc.name} did not start (exit code {proc.exitcode})")
         threading.Thread(target=self._watch, name="cuserve-http-watch", daemon=True).start()
 
     def order_exit(self, force: bool) -> None:
@@ -209,7 +227,7 @@ class ApiServers:
 
 
 def _api_server_main(settings: ServeSettings, link: Connection, info: dict, config, metrics_table, index: int,
-                     drain, force, log_level: int) -> None:
+                     ready, drain, force, log_level: int) -> None:
     """An extra HTTP process: the app over an EngineClient, on a socket of its own on the port. It
     ignores signals (its owner passes orders on, so that a signal to the whole group counts once)."""
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -231,7 +249,7 @@ def _api_server_main(settings: ServeSettings, link: Connection, info: dict, conf
         log.error("HTTP process %d cannot listen on %s:%d: %s", index, settings.host, settings.port, exc)
         engine.shutdown()
         sys.exit(1)
-    server = Server(uvicorn_config(app, settings), app, signals=False)
+    server = Server(uvicorn_config(app, settings), app, signals=False, on_started=ready.set)
     owner = multiprocessing.parent_process()
 
     def watch() -> None:
