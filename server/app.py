@@ -55,8 +55,9 @@ class ServerState:
                  api_servers: ApiServers | None = None) -> None:
         self.settings = settings
         self.engine = engine
-        self.metrics = metrics if metrics is not None else Metrics(processes=settings.api_server_count)
+        self.metrics = metrics if metrics is not None else Metrics(processes=settings.api_servers_at_most())
         self.api_servers = api_servers  # the other HTTP processes, started with the engine (launch.py)
+        self.gate = None  # in one of those: set once all are up (/health and requests answer 503 till then)
         self.load_error: str | None = None
         self.draining = False
         self.created = int(time.time())
@@ -67,7 +68,13 @@ class ServerState:
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and not self.draining
+        return self.engine is not None and not self.draining and self._open()
+
+    def _open(self) -> bool:
+        """An extra HTTP process serves once the first says all are up (`gate`, an Event)."""
+        if self.gate is not None and self.gate.is_set():
+            self.gate = None
+        return self.gate is None
 
     def _attach(self, engine: EngineAPI) -> None:
         engine.observer = self.metrics
@@ -78,7 +85,7 @@ class ServerState:
         """Build and start the engine (on a thread, while /health answers 503)."""
         config = self.settings.engine_config()
         if self.settings.engine_process:
-            engine = EngineProcess(config, links=self.settings.api_server_count)
+            engine = EngineProcess(config, links=self.settings.api_servers_at_most())
         else:
             engine = Engine(config)
         self._attach(engine)
@@ -86,9 +93,11 @@ class ServerState:
         if self.api_servers is not None:
             self.api_servers.start(engine)
         self.engine = engine
+        if self.api_servers is not None:
+            self.api_servers.open()  # then the others serve too
 
     def require_engine(self) -> EngineAPI:
-        if self.engine is None:
+        if self.engine is None or not self._open():
             raise APIError(503, self.load_error or "the model is still loading",
                            code="loading", headers={"Retry-After": str(self.settings.retry_after)})
         if self.draining:

@@ -109,7 +109,7 @@ def serve(settings: ServeSettings) -> int:
         fatal.append(message)
         server.should_exit = True
 
-    api_servers = ApiServers(settings) if settings.api_server_count > 1 else None
+    api_servers = ApiServers(settings) if settings.api_servers_at_most() > 1 else None
     # the server keeps its model for life: full collections once a minute, not every few seconds
     app = create_app(settings, on_fatal=on_fatal, on_ready=quiet_collector, api_servers=api_servers)
     config = uvicorn_config(app, settings)
@@ -122,8 +122,6 @@ def serve(settings: ServeSettings) -> int:
         except OSError as exc:
             print(f"cuserve serve: cannot listen on {settings.host}:{settings.port}: {exc}", file=sys.stderr)
             return 1
-        log.info("listening on http://%s:%d with %d HTTP processes", settings.host, settings.port,
-                 settings.api_server_count)
         try:
             server.run(sockets=[sock])
         finally:
@@ -157,7 +155,7 @@ def listen_socket(host: str, port: int, check_free: bool = False) -> socket.sock
 
 
 class ApiServers:
-    """The HTTP processes beyond this one (settings.api_server_count - 1). `start(engine)`, once the
+    """The HTTP processes beyond this one (settings.api_servers(device) - 1). `start(engine)`, once the
     engine process is up, spawns them with its spare links; `order_exit` passes a drain (or a
     forced stop) on; `stop` waits for them (killing any left at the deadline)."""
 
@@ -166,29 +164,33 @@ class ApiServers:
         self.metrics_table = None  # the app's shared Metrics table (Metrics.shared), set by create_app
         ctx = multiprocessing.get_context("spawn")
         self._ctx = ctx
-        self._drain, self._force = ctx.Event(), ctx.Event()
+        self._open, self._drain, self._force = ctx.Event(), ctx.Event(), ctx.Event()
         self.procs: list[multiprocessing.process.BaseProcess] = []
         self._stopping = False
 
     def start(self, engine) -> None:
-        """Spawn one process for each of `engine.spare_links` (an EngineProcess with
-        settings.api_server_count links), then watch them."""
+        """Spawn settings.api_servers(engine.device) - 1 processes, each with one of
+        `engine.spare_links` (the rest are closed), then watch them."""
         if self.metrics_table is None:
             raise RuntimeError("ApiServers.start needs the app's metrics table")
+        count = self.settings.api_servers(engine.device)
+        for link in engine.spare_links[count - 1:]:  # the engine process closes these links too
+            link.close()
+        log.info("HTTP processes on http://%s:%d: %d", self.settings.host, self.settings.port, count)
         level = logging.getLogger().getEffectiveLevel()
         started = []
-        for index, link in enumerate(engine.spare_links, start=1):
+        for index, link in enumerate(engine.spare_links[:count - 1], start=1):
             ready = self._ctx.Event()
             proc = self._ctx.Process(target=_api_server_main, name=f"cuserve-http-{index}", daemon=True,
                                      args=(self.settings, link, engine.info, engine.config, self.metrics_table,
-                                           index, ready, self._drain, self._force, level))
+                                           index, ready, self._open, self._drain, self._force, level))
             proc.start()
             link.close()  # the child has its copy; the engine process sees EOF only when that one closes
             self.procs.append(proc)
             started.append(ready)
         engine.spare_links = []
-        # ready only once every process accepts connections: a load's first connections (kept alive for
-        # all of it) would otherwise all land on the processes that were up
+        # ready (`open`) only once every process accepts connections: a load's first connections (kept
+        # alive for all of it) would otherwise all land on the processes that were up
         deadline = time.monotonic() + START_TIMEOUT_S
         for proc, ready in zip(self.procs, started):
             while not ready.wait(WATCH_INTERVAL_S):
@@ -196,6 +198,11 @@ class ApiServers:
                     self.stop(0.0)
                     raise RuntimeError(f"HTTP process {proc.name} did not start (exit code {proc.exitcode})")
         threading.Thread(target=self._watch, name="cuserve-http-watch", daemon=True).start()
+
+    def open(self) -> None:
+        """All are up and this process serves: the others may serve too (they answer 503 till then,
+        so that a 200 from /health means every process accepts and serves)."""
+        self._open.set()
 
     def order_exit(self, force: bool) -> None:
         """This process was told to stop: the others drain too (force: stop at once)."""
@@ -227,7 +234,7 @@ class ApiServers:
 
 
 def _api_server_main(settings: ServeSettings, link: Connection, info: dict, config, metrics_table, index: int,
-                     ready, drain, force, log_level: int) -> None:
+                     ready, gate, drain, force, log_level: int) -> None:
     """An extra HTTP process: the app over an EngineClient, on a socket of its own on the port. It
     ignores signals (its owner passes orders on, so that a signal to the whole group counts once)."""
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -242,6 +249,7 @@ def _api_server_main(settings: ServeSettings, link: Connection, info: dict, conf
     engine = EngineClient(link, info, config)
     engine.start()
     app = create_app(settings, engine=engine, metrics=Metrics(shared=metrics_table, process=index))
+    app.state.cuserve.gate = gate
     quiet_collector()
     try:
         sock = listen_socket(settings.host, settings.port)

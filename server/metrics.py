@@ -69,6 +69,15 @@ class Histogram:
     def count(self) -> int:
         return int(self.totals()[-1])
 
+    @property
+    def sum(self) -> float:
+        return self.totals()[-2]
+
+    @property
+    def counts(self) -> list[int]:
+        """Observations a bucket (not cumulative), +Inf's last, over every row."""
+        return [int(c) for c in self.totals()[:len(self.buckets) + 1]]
+
     def render(self) -> list[str]:
         totals = self.totals()
         n = len(self.buckets)

@@ -87,6 +87,53 @@ def test_health_reports_loading_and_draining(smollm2_path):
     assert completion.headers["Retry-After"] == "1"
 
 
+def test_an_extra_http_process_serves_only_once_all_are_up(app_and_engine):
+    """--api-server-count: an extra HTTP process has its engine from the start, but answers 503
+    (loading) until the first process opens the gate, so that a 200 from /health means all serve."""
+    import threading
+    app, _ = app_and_engine
+    gate = threading.Event()
+    app.state.cuserve.gate = gate
+
+    async def go(client):
+        shut = await client.get("/health"), await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        gate.set()
+        return (*shut, await client.get("/health"))
+
+    health, completion, opened = run(app, go)
+    assert health.status_code == 503 and completion.status_code == 503
+    assert completion.json()["error"]["code"] == "loading" and opened.status_code == 200
+
+
+def test_metrics_of_several_http_processes_add_up():
+    """Each process adds to its row of the shared table; any process's render gives the sums."""
+    from server.metrics import Metrics
+    first = Metrics(processes=3)
+    others = [Metrics(shared=first.shared, process=i) for i in (1, 2)]
+    everyone = [first, *others]
+    for m in everyone:
+        m.set_paths({"/v1/completions", "/health"})
+    for i, m in enumerate(everyone):
+        for _ in range(i + 1):
+            m.ttft.observe(0.05 * (i + 1))
+            m.count_http("/v1/completions", 200)
+        m.count_http("/nowhere", 404)
+        m.loop_lag.observe(0.001)
+    m.count_http("/health", 1000)  # no such status: counted as 500
+    texts = {m.render(None) for m in everyone}
+    assert len(texts) == 1
+    text = texts.pop()
+    assert "cuserve_time_to_first_token_seconds_count 6" in text
+    assert "cuserve_time_to_first_token_seconds_sum 0.7" in text  # 0.05 + 2 x 0.1 + 3 x 0.15
+    assert 'cuserve_time_to_first_token_seconds_bucket{le="0.1"} 3' in text
+    assert 'cuserve_http_requests_total{path="/v1/completions",status="200"} 6' in text
+    assert 'cuserve_http_requests_total{path="other",status="404"} 3' in text
+    assert 'cuserve_http_requests_total{path="/health",status="500"} 1' in text
+    assert "cuserve_event_loop_lag_seconds_count 3" in text
+    with pytest.raises(ValueError, match="not a row"):
+        Metrics(shared=first.shared, process=3)
+
+
 def test_stream_events_stay_one_line_for_unicode_line_breaks():
     """Text with the characters that JSON leaves raw but line readers split on (U+0085, U+2028,
     U+2029: str.splitlines, httpx's aiter_lines) goes out escaped: each SSE data line is one

@@ -58,6 +58,27 @@ def test_engine_config_follows_settings():
     assert not ServeSettings(schedule_prompts_ahead=False).engine_config().scheduler.prompts_ahead
 
 
+def test_api_server_count_setting(monkeypatch):
+    """By default two HTTP processes where the model runs on a GPU (decided once the engine is up),
+    one on the CPU or with the engine on a thread; a count given is kept, and more than one needs
+    the engine process."""
+    auto = ServeSettings()
+    assert auto.api_server_count is None and auto.api_servers_at_most() == 2
+    assert (auto.api_servers("cuda"), auto.api_servers("cpu")) == (2, 1)
+    assert ServeSettings(device="cpu").api_servers_at_most() == 1
+    assert ServeSettings(engine_process=False).api_servers("cuda") == 1
+    three = ServeSettings(api_server_count=3)
+    assert (three.api_servers_at_most(), three.api_servers("cpu"), three.api_servers("cuda")) == (3, 3, 3)
+    assert ServeSettings(api_server_count=1).api_servers("cuda") == 1
+    with pytest.raises(ValueError, match="api_server_count must be >= 1"):
+        ServeSettings(api_server_count=0)
+    with pytest.raises(ValueError, match="needs engine_process"):
+        ServeSettings(api_server_count=2, engine_process=False)
+    monkeypatch.setenv("CUSERVE_API_SERVER_COUNT", "4")
+    assert resolve_settings(parse()).api_server_count == 4
+    assert resolve_settings(parse("--api-server-count", "2")).api_server_count == 2
+
+
 def test_kv_cache_dtype_setting(tmp_path):
     cfg = ServeSettings(kv_cache_dtype="fp8").engine_config()
     assert cfg.cache.kv_cache_dtype == "fp8" and cfg.cache.kv_fp8

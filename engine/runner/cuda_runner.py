@@ -569,6 +569,9 @@ class CudaRunner:
         if self.quant_fp8 and (cfg.hidden_size % 16 or cfg.q_size % 16 or cfg.intermediate_size % 16):
             raise ValueError(f"--quantization fp8 needs hidden, attention and intermediate sizes that are multiples "
                              f"of 16; this model has {cfg.hidden_size}, {cfg.q_size}, {cfg.intermediate_size}")
+        if config.quantize_lm_head and cfg.vocab_size % 16:  # cuBLASLt's fp8 products: N % 16 == 0
+            raise ValueError(f"--quantize-lm-head needs a vocabulary that is a multiple of 16; this model's is "
+                             f"{cfg.vocab_size}")
         if self.kv_fp8 and cfg.head_dim % 32:
             raise ValueError(f"--kv-cache-dtype {config.cache.kv_cache_dtype} needs a head_dim that is a multiple "
                              f"of 32; this model's is {cfg.head_dim}")
