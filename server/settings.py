@@ -23,7 +23,8 @@ from engine.loader import DEFAULT_MODEL
 
 ENV_PREFIX = "CUSERVE_"
 # HTTP processes by default where the model runs on a GPU: 2 cut the serving target's TTFT p50 by
-# ~12 % against 1 on an H200 (8B fp8, 256 streams; 4 gave back most of it), at the same tok/s
+# ~10 % against 1 on two H200 hosts (8B fp8, 256 streams, 11 loads each: means 97.4 / 108.2 ms; 4
+# gave back most of it: 111-116 ms), at the same tok/s (fifty-ninth session)
 AUTO_API_SERVERS = 2
 
 
@@ -87,8 +88,8 @@ class ServeSettings:
     api_server_count: int | None = _s(None, "int", "HTTP server processes sharing the port (SO_REUSEPORT), each "
                                       "with its own event loop (parsing, tokenizing, JSON, SSE) and link to the one "
                                       "engine process: one loop under hundreds of streams delays first tokens (H200, "
-                                      "8B fp8, 256 streams: TTFT p50 -12 % with 2); default: 2 when the model runs on "
-                                      "a GPU, else 1; more than 1 needs engine_process")
+                                      "8B fp8, 256 streams: TTFT p50 -10 % with 2, the same tok/s); default: 2 when "
+                                      "the model runs on a GPU, else 1; more than 1 needs engine_process")
     seed: int | None = _s(None, "int", "seed for requests that give none (reproducible runs)")
     chat_template: str | None = _s(None, "str", "a Jinja file to use instead of the model's chat template")
     max_request_bytes: int = _s(8 << 20, "int", "largest request body accepted (413 beyond)")
