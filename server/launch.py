@@ -122,6 +122,8 @@ def serve(settings: ServeSettings) -> int:
         except OSError as exc:
             print(f"cuserve serve: cannot listen on {settings.host}:{settings.port}: {exc}", file=sys.stderr)
             return 1
+        log.info("listening on http://%s:%d; more HTTP processes join once the model is up", settings.host,
+                 settings.port)
         try:
             server.run(sockets=[sock])
         finally:
