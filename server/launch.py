@@ -168,7 +168,6 @@ class ApiServers:
         self._ctx = ctx
         self._open, self._drain, self._force = ctx.Event(), ctx.Event(), ctx.Event()
         self.procs: list[multiprocessing.process.BaseProcess] = []
-        self._stopping = False
 
     def start(self, engine) -> None:
         """Spawn settings.api_servers(engine.device) - 1 processes, each with one of
@@ -208,7 +207,6 @@ class ApiServers:
 
     def order_exit(self, force: bool) -> None:
         """This process was told to stop: the others drain too (force: stop at once)."""
-        self._stopping = True
         self._drain.set()
         if force:
             self._force.set()
@@ -230,7 +228,7 @@ class ApiServers:
         while procs:
             for sentinel in wait(list(procs)):
                 proc = procs.pop(sentinel)
-                if not self._stopping:
+                if not self._drain.is_set():  # not one this process told to stop
                     log.error("HTTP process %s exited (code %s); the other %d serve on", proc.name, proc.exitcode,
                               len(procs) + 1)
 

@@ -127,13 +127,15 @@ class Metrics(EngineObserver):
             base += len(buckets) + 3
         self.ttft, self.itl, self.e2e, self.queue, self.loop_lag = self.hists
         self._rows, self._mine, self._http_base = rows, rows[process], base
-        self.paths: list[str] = ["other"]  # the HTTP counters' paths (the app's, then "other"), in every process alike
+        self.paths: list[str] = []  # the HTTP counters' paths (the app's, then "other"), in every process alike
+        self._path_index: dict[str, int] = {}
+        self.set_paths(set())
 
     def set_paths(self, paths: set[str]) -> None:
         ordered = sorted(paths) + ["other"]
         if len(ordered) > MAX_PATHS:
             raise ValueError(f"{len(ordered)} paths for the HTTP counters, more than MAX_PATHS ({MAX_PATHS})")
-        self.paths = ordered
+        self.paths, self._path_index = ordered, {path: i for i, path in enumerate(ordered)}
 
     # engine observer hooks (the thread that delivers the engine's outputs)
     def on_first_token(self, t: RequestTimings) -> None:
@@ -164,7 +166,7 @@ class Metrics(EngineObserver):
 
     def count_http(self, path: str, status: int) -> None:
         """One response: `path` one of `paths` (else counted as "other")."""
-        index = self.paths.index(path) if path in self.paths else len(self.paths) - 1
+        index = self._path_index.get(path, len(self.paths) - 1)
         status = status if status in HTTP_STATUSES else 500
         with self._lock:
             self._mine[self._http_base + index * len(HTTP_STATUSES) + status - HTTP_STATUSES.start] += 1
