@@ -68,7 +68,8 @@ STAGED_MIN_BYTES_ONE_WAVE = 16 << 20
 # 1-8 rows: two buffers a warp; 4 blocks an SM (<= 64 registers: the 8B down product's 512
 # blocks then take one wave, where 68 registers left 3 blocks an SM and two waves)
 STAGED_CONFIG = {"STAGED": 1, "WARPS": 8, "DEPTH": 4, "STAGES": 2, "MIN_BLOCKS": 4}
-STAGED_CONFIG_WIDE = {"STAGED": 1, "WARPS": 8, "DEPTH": 8, "STAGES": 1}  # 9-16 rows (two tiles): one buffer of longer passes
+# 9-16 rows (two tiles): one buffer of longer passes
+STAGED_CONFIG_WIDE = {"STAGED": 1, "WARPS": 8, "DEPTH": 8, "STAGES": 1}
 # With TILE_LOOP in a config (rows that fit the first pass, no folded norm, not staged), the grid is
 # the blocks that fit the GPU at once (at most LOOP_MAX_GRID where set: tests), each looping over
 # tiles gridDim apart and loading the next one's weights while it adds and stores this one's sums.
@@ -243,14 +244,14 @@ def _launch(name: str, x: cp.ndarray, w, extra: tuple, pdl: bool, config: dict |
     suffix = "16" if B > 8 else "8x2" if n_tiles == 2 else "8"
     pre = int(preload(row_bytes, cfg, n_tiles) and not in_stages)
     if norm is not None:
-        room = (7 if in_stages else 48) << 10  # 48 KB a block, less the staged form's ~40 KB
-        if x.nbytes > room:
-            raise ValueError(f"gemv: a folded norm keeps the rows in shared memory, {x.nbytes} bytes > {room >> 10} KB")
         defines.update(NORM_IN=1, NORM_THREADS=rmsnorm.THREADS)
     if cfg.get("TILE_LOOP") and (not pre or norm is not None):
         raise ValueError("gemv: TILE_LOOP takes rows that fit the first pass and no folded norm")
     kernel = module("gemv", USE_BF16=use_bf16(x), W_FP8=int(fp8), W_Q8=int(q8), PRELOAD=pre, **cfg,
                     **defines).get_function(f"{name}_{suffix}")
+    room = (48 << 10) - kernel.shared_size_bytes  # a block's 48 KB, less the kernel's own (staged: ~40 KB)
+    if norm is not None and x.nbytes > room:
+        raise ValueError(f"gemv: a folded norm keeps the rows in shared memory, {x.nbytes} bytes > {room} bytes")
     grid = -(-N // (8 * n_tiles))
     if cfg.get("TILE_LOOP"):
         grid = min(grid, LOOP_MAX_GRID or blocks_per_sm(kernel, 32 * cfg["WARPS"], 0) * sm_count())
