@@ -249,9 +249,10 @@ def _launch(name: str, x: cp.ndarray, w, extra: tuple, pdl: bool, config: dict |
         raise ValueError("gemv: TILE_LOOP takes rows that fit the first pass and no folded norm")
     kernel = module("gemv", USE_BF16=use_bf16(x), W_FP8=int(fp8), W_Q8=int(q8), PRELOAD=pre, **cfg,
                     **defines).get_function(f"{name}_{suffix}")
-    room = (48 << 10) - kernel.shared_size_bytes  # a block's 48 KB, less the kernel's own (staged: ~40 KB)
-    if norm is not None and x.nbytes > room:
-        raise ValueError(f"gemv: a folded norm keeps the rows in shared memory, {x.nbytes} bytes > {room} bytes")
+    if norm is not None:  # a block's 48 KB, less the kernel's own (staged: ~40 KB)
+        room = (48 << 10) - kernel.shared_size_bytes
+        if x.nbytes > room:
+            raise ValueError(f"gemv: a folded norm keeps the rows in shared memory, {x.nbytes} bytes > {room} bytes")
     grid = -(-N // (8 * n_tiles))
     if cfg.get("TILE_LOOP"):
         grid = min(grid, LOOP_MAX_GRID or blocks_per_sm(kernel, 32 * cfg["WARPS"], 0) * sm_count())
