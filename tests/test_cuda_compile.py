@@ -11,6 +11,7 @@ longest test took 316 s on the 2-core CI machine, half the suite.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -93,8 +94,8 @@ def test_every_kernel_family_compiles(tmp_path):
         sm90_only = fp8 or defines["USE_BF16"]
         archs = (ARCH_SPECIFIC.get(cu.stem) or (SM90A if defines.get("QK_WGMMA") else None)
                  or (FP8_ARCHS if sm90_only else ARCHS))
-        result = subprocess.run([NVCC, "-std=c++17", f"-I{KERNELS}", *flags, *archs, "-fatbin", str(cu), "-o", str(out)],
-                                capture_output=True, text=True)
+        result = subprocess.run([NVCC, "-std=c++17", f"-I{KERNELS}", *flags, *archs, "-fatbin", str(cu), "-o",
+                                 str(out)], capture_output=True, text=True)
         return cu.name, defines, result.returncode, result.stderr[-2000:]
 
     all_jobs = list(jobs())
@@ -105,3 +106,43 @@ def test_every_kernel_family_compiles(tmp_path):
     with ThreadPoolExecutor(max_workers=2) as pool:
         failures = [r for r in pool.map(build, all_jobs) if r[2] != 0]
     assert not failures, "\n".join(f"{name} {defines}:\n{err}" for name, defines, _, err in failures)
+
+
+# Llama-3-8B's 16-bit QKV product at 1-8 rows (gemv.py: CONFIG, one tile, rows past the first pass so
+# PRELOAD 0; not staged): 6,144 rows in blocks of 8 rows and 256 threads, 768 blocks. On an H200's 132
+# SMs they take one wave only at 6 blocks an SM, so at most 40 registers a thread. 54 (0a9054d, the
+# epilogue's Pre held in registers) made it two waves: 14.7 -> 20.6 us a layer, B=1 240.7 -> 230.6
+# tok/s (docs/performance.md, sixtieth session).
+QKV_8B = {"WARPS": 8, "DEPTH": 8, "PRELOAD": 0, "HEAD_DIM": 128}
+QKV_8B_BLOCKS, H200_SMS = 6144 // 8, 132
+
+
+def sm90_blocks_an_sm(regs: int, threads: int, smem: int) -> int:
+    """Blocks of `threads` threads, `regs` registers each and `smem` bytes of shared memory that fit
+    one sm_90 SM: 64 K registers (allocated per warp in units of 256, i.e. 8 a thread), 2,048
+    threads, 228 KB of shared memory with 1 KB reserved a block."""
+    by_regs = (64 << 10) // (-(-regs // 8) * 8 * threads)
+    return min(by_regs, 2048 // threads, (228 << 10) // (smem + 1024))
+
+
+def test_sm90_blocks_an_sm():
+    assert sm90_blocks_an_sm(40, 256, 4096) == 6
+    assert sm90_blocks_an_sm(41, 256, 4096) == 5  # 48 allocated
+    assert sm90_blocks_an_sm(54, 256, 4096) == 4
+    assert sm90_blocks_an_sm(32, 256, 100 << 10) == 2  # shared memory bound
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("variant", [{"USE_BF16": 0, "KV_FP8": 0}, {"USE_BF16": 1, "KV_FP8": 1}])
+def test_the_8b_qkv_product_fits_one_wave(variant):
+    flags = [f"-D{k}={v}" for k, v in {**QKV_8B, **variant}.items()]
+    result = subprocess.run([NVCC, "-std=c++17", f"-I{KERNELS}", *flags, "-arch=sm_90", "-cubin", "-o", "/dev/null",
+                             str(KERNELS / "gemv.cu"), "-Xptxas", "-v"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = result.stderr.split("Compiling entry function 'gemv_rope_8' for 'sm_90'")[1].split("Compiling")[0]
+    regs = int(re.search(r"Used (\d+) registers", report).group(1))
+    smem = int(re.search(r"(\d+) bytes smem", report).group(1))
+    blocks = sm90_blocks_an_sm(regs, QKV_8B["WARPS"] * 32, smem)
+    assert blocks * H200_SMS >= QKV_8B_BLOCKS, (
+        f"gemv_rope_8 takes {regs} registers and {smem} bytes of shared memory: {blocks} blocks an SM, "
+        f"so the 8B QKV product's {QKV_8B_BLOCKS} blocks need more than one wave")
