@@ -90,6 +90,12 @@
 #endif
 static_assert(BUFS >= 2 && BUFS <= 4, "BUFS: 2 to 4");
 static_assert(AHEAD == BUFS || (AHEAD == 1 && BUFS == 2), "AHEAD: BUFS, or 1 with 2 buffers");
+// RESIDENT: a row whose tiles all landed before the loop runs them with no barriers between them
+// (below). Built only with four buffers and PDL, the launches of one wave (flash_decode.buffers),
+// whose few blocks are each on the critical path: built with two as well, it took the 16-bit form
+// from 158 to 180 registers a thread (sm_90), so 2 blocks an SM where 3 had fitted, in the grids
+// of several waves (8B at many rows, whose rows of <= 2 tiles are rare).
+#define RESIDENT (AHEAD == BUFS && BUFS == 4)
 #define KEYS 64                 // keys per tile, 16 per warp
 #define LDS (HEAD_DIM + 8)      // shared row stride (elements), as in flash_prefill
 #define MAX_SPLITS 64           // flash_decode.py keeps the grid's splits within this
@@ -516,7 +522,7 @@ __device__ __forceinline__ void decode_split(
         }
 #endif
     };
-    if (AHEAD == BUFS && n_tiles <= BUFS) {
+    if (RESIDENT && n_tiles <= BUFS) {
         // Every tile landed before the loop (a short row, PDL): no barriers between tiles, the
         // arithmetic and its order the loop's below (so the bits too). H200, SmolLM2 B=1 decode
         // graphs at 40 / 96 / 160 keys: 323.8 / 334.6 / 346.6 -> 320.2 / 329.6 / 341.3 us. Two
