@@ -18,7 +18,9 @@ The targets (docs/performance.md, "Targets (issue 6)"):
   the HTTP path loses <= 5 % of output tok/s.
 
 A benchmark that fails gives its row "error" (its log is named); the rest still run. Each
-benchmark's log and JSON stay in --out (default: a new temporary folder).
+benchmark's log and JSON stay in --out (default: a new temporary folder). Where the issue gives a
+peer's figure for the same work (llama.cpp's CUDA build on an H200, measured elsewhere), the row
+also gives our ratio to it in tok/s.
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ class Target:
     label: str
     goal: str
     runs: Callable[[argparse.Namespace], list[list[str]]]  # each run's arguments (a script under bench/ first)
-    judge: Callable[[list], tuple[str, bool]]  # the runs' JSON -> (figure, met)
+    judge: Callable[[list], tuple[str, bool, float | None]]  # the runs' JSON -> (figure, met, tok/s)
+    peer: tuple[str, float] | None = None  # the issue's figure of a peer for the same work: (who, tok/s)
 
 
 def decode_runs(model: str | None, batch: int, prompt: int, tokens: int, *extra: str) -> Callable:
@@ -62,17 +65,18 @@ def decode_runs(model: str | None, batch: int, prompt: int, tokens: int, *extra:
 
 
 def decode_judge(goal: float) -> Callable:
-    def judge(outs: list) -> tuple[str, bool]:
+    def judge(outs: list) -> tuple[str, bool, float]:
         r = outs[0]["results"][0]
         roof = f", {r['roofline_pct']:.1f} % of the roofline" if "roofline_pct" in r else ""
-        return f"{r['decode_tok_s']:,.1f} tok/s ({r['step_ms_median']:.2f} ms a step{roof})", r["decode_tok_s"] >= goal
+        return (f"{r['decode_tok_s']:,.1f} tok/s ({r['step_ms_median']:.2f} ms a step{roof})",
+                r["decode_tok_s"] >= goal, r["decode_tok_s"])
     return judge
 
 
-def prefill_judge(outs: list) -> tuple[str, bool]:
+def prefill_judge(outs: list) -> tuple[str, bool, float]:
     r, rate = outs[0]["rows"][0], outs[0]["gemm_tflops"]
     return (f"{r['ttft_ms']:.2f} ms, {r['ratio']:.2f}x the floor ({r['floor_ms']:.2f} ms at {rate:.0f} TFLOP/s)",
-            r["ratio"] <= 1.4)
+            r["ratio"] <= 1.4, r["prefill_tok_s"])
 
 
 def loads(out) -> list[dict]:
@@ -80,32 +84,33 @@ def loads(out) -> list[dict]:
     return out if isinstance(out, list) else [out]
 
 
-def serve_judge(outs: list) -> tuple[str, bool]:
+def serve_judge(outs: list) -> tuple[str, bool, None]:
     runs = loads(outs[0])
     tok = [s["output_throughput"] for s in runs]
     ttft = [s["ttft_ms"]["p50"] for s in runs]
     both = sum(t >= 12000 and f <= 150 for t, f in zip(tok, ttft))
     return (f"{min(tok):,.1f}-{max(tok):,.1f} tok/s, TTFT p50 {min(ttft):.1f}-{max(ttft):.1f} ms; both in {both} of "
-            f"{len(runs)} loads"), both == len(runs) and both > 0
+            f"{len(runs)} loads"), both == len(runs) and both > 0, None
 
 
-def http_judge(outs: list) -> tuple[str, bool]:
+def http_judge(outs: list) -> tuple[str, bool, None]:
     http, alone = (statistics.fmean(s["output_throughput"] for s in loads(o)) for o in outs)
     loss = 1 - http / alone
-    return f"{http:.1f} tok/s over HTTP, {alone:.1f} alone: {100 * loss:.1f} % lost", loss <= 0.05
+    return f"{http:.1f} tok/s over HTTP, {alone:.1f} alone: {100 * loss:.1f} % lost", loss <= 0.05, None
 
 
 TARGETS = [
     Target("decode_8b_b1", "8B fp16 decode B=1", ">= 240 tok/s",
-           decode_runs("random:llama3-8b", 1, 512, 128, "--kv-cache-gib", "8"), decode_judge(240)),
+           decode_runs("random:llama3-8b", 1, 512, 128, "--kv-cache-gib", "8"), decode_judge(240),
+           ("llama.cpp F16", 212.0)),
     Target("smollm2_b1", "SmolLM2 decode B=1", ">= 3,000 tok/s",
-           decode_runs(None, 1, 32, 256), decode_judge(3000)),
+           decode_runs(None, 1, 32, 256), decode_judge(3000), ("llama.cpp Q4_1", 962.0)),
     Target("decode_8b_b128", "8B fp8 + fp8 K/V decode B=128", ">= 25,000 tok/s",
            decode_runs("random:llama3-8b", 128, 512, 128, "--kv-cache-gib", "24", "--quantization", "fp8",
-                       "--kv-cache-dtype", "fp8"), decode_judge(25000)),
+                       "--kv-cache-dtype", "fp8"), decode_judge(25000), ("llama.cpp F16", 9461.0)),
     Target("prefill_8b_2048", "8B 2,048-token prefill", "<= 1.4x the GEMM floor",
            lambda args: [["prefill.py", "--model", "random:llama3-8b", "--device", args.device, "--lengths", "2048",
-                          "--repeats", "5"]], prefill_judge),
+                          "--repeats", "5"]], prefill_judge, ("llama.cpp F16", 25083.0)),
     Target("serve_8b", "serve 8B, 256 streams, 512 + 128", ">= 12,000 tok/s, TTFT p50 <= 150 ms",
            lambda args: [["serve.py", "--serve", args.serve_flags, "--loads", str(args.loads), *SERVE_LOAD,
                           "--goal", "12000,150"]], serve_judge),
@@ -166,7 +171,9 @@ def run_target(target: Target, args, out: Path) -> dict:
             return {"target": target.name, "label": target.label, "goal": target.goal, "met": False,
                     "figure": f"error: rc {rc} (log {log})", "seconds": time.monotonic() - start}
         outs.append(json.loads(js.read_text()))
-    figure, met = target.judge(outs)
+    figure, met, rate = target.judge(outs)
+    if target.peer and rate:
+        figure += f"; {rate / target.peer[1]:.2f}x {target.peer[0]} ({target.peer[1]:,.0f} tok/s)"
     return {"target": target.name, "label": target.label, "goal": target.goal, "met": bool(met), "figure": figure,
             "seconds": time.monotonic() - start}
 

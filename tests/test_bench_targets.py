@@ -20,6 +20,7 @@ def test_a_target_runs_its_benchmark_and_judges_it(tmp_path):
     result = json.loads((out / "smollm2_b1-0.json").read_text())["results"][0]
     assert result["batch"] == 1 and result["decode_tok_s"] > 0
     assert rows[0]["figure"].startswith(f"{result['decode_tok_s']:,.1f} tok/s")
+    assert rows[0]["figure"].endswith(f"; {result['decode_tok_s'] / 962:.2f}x llama.cpp Q4_1 (962 tok/s)")
     assert rows[0]["met"] is (result["decode_tok_s"] >= 3000) and rc == (0 if rows[0]["met"] else 1)
 
 
@@ -42,20 +43,21 @@ def summary(tok_s: float, ttft_p50: float) -> dict:
 
 def test_judges():
     met, missed = summary(12400.0, 97.0), summary(11990.0, 97.0)
-    figure, ok = targets.serve_judge([[met, summary(12100.0, 140.0)]])
+    figure, ok, _ = targets.serve_judge([[met, summary(12100.0, 140.0)]])
     assert ok and "both in 2 of 2 loads" in figure
-    figure, ok = targets.serve_judge([[met, missed]])
+    figure, ok, _ = targets.serve_judge([[met, missed]])
     assert not ok and "both in 1 of 2 loads" in figure
     assert not targets.serve_judge([[summary(12400.0, 151.0)]])[1]
     assert targets.serve_judge([met])[1]  # one load: serve.py writes the summary itself, not a list
-    figure, ok = targets.http_judge([summary(324.8, 10.9), summary(326.0, 8.4)])
+    figure, ok, _ = targets.http_judge([summary(324.8, 10.9), summary(326.0, 8.4)])
     assert ok and figure.endswith("alone: 0.4 % lost")
     assert not targets.http_judge([summary(300.0, 10.0), summary(326.0, 8.0)])[1]
     decode = {"results": [{"decode_tok_s": 241.0, "step_ms_median": 4.15, "roofline_pct": 87.1}]}
-    assert targets.decode_judge(240)([decode]) == ("241.0 tok/s (4.15 ms a step, 87.1 % of the roofline)", True)
+    assert targets.decode_judge(240)([decode]) == ("241.0 tok/s (4.15 ms a step, 87.1 % of the roofline)", True, 241.0)
     assert not targets.decode_judge(3000)([decode])[1]
-    prefill = {"gemm_tflops": 730.0, "rows": [{"ttft_ms": 58.06, "ratio": 1.332, "floor_ms": 43.59}]}
-    assert targets.prefill_judge([prefill]) == ("58.06 ms, 1.33x the floor (43.59 ms at 730 TFLOP/s)", True)
+    prefill = {"gemm_tflops": 730.0, "rows": [{"ttft_ms": 58.06, "ratio": 1.332, "floor_ms": 43.59,
+                                               "prefill_tok_s": 35272.0}]}
+    assert targets.prefill_judge([prefill]) == ("58.06 ms, 1.33x the floor (43.59 ms at 730 TFLOP/s)", True, 35272.0)
 
 
 def test_engine_flags_from_the_server_flags():
