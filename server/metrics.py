@@ -42,6 +42,11 @@ def _rows(shared, width: int) -> list[memoryview]:
     return [cells[i * width:(i + 1) * width] for i in range(len(cells) // width)]
 
 
+def _sums(rows: list[memoryview], start: int, width: int) -> list[float]:
+    """Cells [start, start + width) summed over the rows (the processes)."""
+    return [sum(cells) for cells in zip(*(row[start:start + width] for row in rows))]
+
+
 class Histogram:
     """Cells [base, base + width) of a metrics table: a count per bucket (+Inf last), the sum, the
     count. `observe` adds to this process's row (`row`); `render` sums every row. Without a
@@ -62,8 +67,7 @@ class Histogram:
         mine[base + n + 2] += 1
 
     def totals(self) -> list[float]:
-        base = self.base
-        return [sum(row[base + i] for row in self.rows) for i in range(self.width)]
+        return _sums(self.rows, self.base, self.width)
 
     @property
     def count(self) -> int:
@@ -173,14 +177,10 @@ class Metrics(EngineObserver):
 
     def http_counts(self) -> dict[tuple[str, int], int]:
         """(path, status) -> responses, over every HTTP process."""
-        counts, base, n = {}, self._http_base, len(HTTP_STATUSES)
-        for index, path in enumerate(self.paths):
-            start = base + index * n
-            for i in range(n):
-                total = sum(row[start + i] for row in self._rows)
-                if total:
-                    counts[(path, HTTP_STATUSES.start + i)] = int(total)
-        return counts
+        n = len(HTTP_STATUSES)
+        totals = _sums(self._rows, self._http_base, len(self.paths) * n)
+        return {(self.paths[i // n], HTTP_STATUSES.start + i % n): int(total)
+                for i, total in enumerate(totals) if total}
 
     def render(self, engine: EngineAPI | None) -> str:
         lines: list[str] = []
