@@ -258,7 +258,9 @@ def histogram_delta(before, after) -> dict[str, float] | None:
         for bound, cumulative in zip(bounds, counts):
             if cumulative >= rank:
                 inside = cumulative - below
-                return lower if bound == float("inf") or inside <= 0 else lower + (bound - lower) * (rank - below) / inside
+                if bound == float("inf") or inside <= 0:
+                    return lower
+                return lower + (bound - lower) * (rank - below) / inside
             lower, below = bound, cumulative
         return float("nan")
     return {"mean": 1e3 * (sum_after - sum_before) / n, "p50": 1e3 * quantile(0.5), "p99": 1e3 * quantile(0.99),
@@ -638,11 +640,18 @@ def compare(summaries: list[dict], goal: tuple[float, float] | None = None) -> l
         if loads[0].get("serve"):
             lines.append(f"     cuserve serve {loads[0]['serve']}")
         if goal:
-            fast = [s["output_throughput"] >= goal[0] for s in loads]
-            quick = [s["ttft_ms"]["p50"] <= goal[1] for s in loads]
-            lines.append(f"     goal >= {goal[0]:g} tok/s with TTFT p50 <= {goal[1]:g} ms: throughput in {sum(fast)}, "
-                         f"TTFT in {sum(quick)}, both in {sum(map(all, zip(fast, quick)))} of {len(loads)} loads")
+            fast, quick, both = goal_counts(loads, goal)
+            lines.append(f"     goal >= {goal[0]:g} tok/s with TTFT p50 <= {goal[1]:g} ms: throughput in {fast}, "
+                         f"TTFT in {quick}, both in {both} of {len(loads)} loads")
     return lines
+
+
+def goal_counts(loads: list[dict], goal: tuple[float, float]) -> tuple[int, int, int]:
+    """Of these load summaries, how many reached goal's output tok/s, its client TTFT p50 (ms or
+    less), and both."""
+    fast = [s["output_throughput"] >= goal[0] for s in loads]
+    quick = [s["ttft_ms"]["p50"] <= goal[1] for s in loads]
+    return sum(fast), sum(quick), sum(map(all, zip(fast, quick)))
 
 
 def report(args, summary: dict, flush: bool = False) -> None:

@@ -39,11 +39,16 @@ from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.serve import goal_counts  # noqa: E402
+
 BENCH = ROOT / "bench"
 SERVE_FLAGS = ("--model random:llama3-8b --max-num-seqs 256 --quantization fp8 --kv-cache-dtype fp8 "
                "--dtype bfloat16 --kv-cache-gib 40 --max-model-len 2048")
 SERVE_LOAD = ["--num-prompts", "1024", "--input-len", "512", "--output-len", "128", "--concurrency", "256",
               "--vocab", "120000"]
+SERVE_GOAL = (12000.0, 150.0)  # output tok/s, client TTFT p50 ms
 ONE_STREAM = ["--num-prompts", "16", "--input-len", "512", "--output-len", "128", "--concurrency", "1",
               "--vocab", "120000"]
 
@@ -88,7 +93,7 @@ def serve_judge(outs: list) -> tuple[str, bool, None]:
     runs = loads(outs[0])
     tok = [s["output_throughput"] for s in runs]
     ttft = [s["ttft_ms"]["p50"] for s in runs]
-    both = sum(t >= 12000 and f <= 150 for t, f in zip(tok, ttft))
+    both = goal_counts(runs, SERVE_GOAL)[2]
     return (f"{min(tok):,.1f}-{max(tok):,.1f} tok/s, TTFT p50 {min(ttft):.1f}-{max(ttft):.1f} ms; both in {both} of "
             f"{len(runs)} loads"), both == len(runs) and both > 0, None
 
@@ -113,7 +118,7 @@ TARGETS = [
                           "--repeats", "5"]], prefill_judge, ("llama.cpp F16", 25083.0)),
     Target("serve_8b", "serve 8B, 256 streams, 512 + 128", ">= 12,000 tok/s, TTFT p50 <= 150 ms",
            lambda args: [["serve.py", "--serve", args.serve_flags, "--loads", str(args.loads), *SERVE_LOAD,
-                          "--goal", "12000,150"]], serve_judge),
+                          "--goal", ",".join(f"{v:g}" for v in SERVE_GOAL)]], serve_judge),
     Target("http_b1", "HTTP against the engine at B=1", "<= 5 % lost",
            lambda args: [["serve.py", "--serve", args.serve_flags, *ONE_STREAM],
                          ["serve.py", "--engine", *engine_flags(args.serve_flags), "--device", args.device,
