@@ -698,15 +698,15 @@ __device__ __forceinline__ int smem_swizzle(int r, int chunk) { return r * 128 +
 // dv + r * stride (kv_t elements, a multiple of 16 bytes); SWIZZLED_K: K's rows of 128 bytes at
 // dk + smem_swizzle(r, chunk) instead (the wgmma operand's layout). Keys from `limit` on are zeros
 // (never NaN times 0 in P V) and read key `fallback`'s address, which must be mapped. Key `skip`
-// is left alone (not copied).
+// is left alone (not copied). thread: this thread's place among the NTHREADS (-1: threadIdx.x).
 template <int ROWS, int DIM, int NTHREADS, bool SWIZZLED_K = false>
 __device__ __forceinline__ void load_kv_tile(kv_t *dk, kv_t *dv, int stride, const kv_t *kb, const kv_t *vb,
                                              long long kv_stride, int n0, int limit, int fallback, int skip = -1,
-                                             int row0 = 0) {
+                                             int row0 = 0, int thread = -1) {
     constexpr int PIECES = DIM * (int)sizeof(kv_t) / 16, PER = 16 / (int)sizeof(kv_t);
     static_assert(!SWIZZLED_K || PIECES == 8, "SWIZZLED_K: rows of 128 bytes");
 #pragma unroll
-    for (int i = threadIdx.x; i < ROWS * PIECES; i += NTHREADS) {
+    for (int i = thread < 0 ? (int)threadIdx.x : thread; i < ROWS * PIECES; i += NTHREADS) {
         const int r = i / PIECES, c = (i % PIECES) * PER, key = n0 + r;
         if (key == skip) continue;
         const bool ok = key < limit;

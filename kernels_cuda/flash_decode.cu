@@ -43,7 +43,19 @@
 #ifndef CHUNK
 #define CHUNK 256
 #endif
-#define THREADS 128
+// -DTG (tile groups; 16-bit K/V, not SWAP): TG groups of 4 warps, group g taking tiles g, g + TG,
+// g + 2 TG, ... of the split, each into its own running softmax, so that a split's tiles run side
+// by side, not one after another (a 64-key tile costs a warp ~0.35 us of dependent MMAs, shuffles
+// and exponentials: H200, SmolLM2 B=1 decode graphs 320 -> 341 us from 40 to 160 keys). The
+// 4 TG warps' partials are combined in warp order at the end, so a row's bits depend on TG,
+// not on BUFS or PDL: flash_decode.py builds every launch of a step of up to 16 rows (the batch-
+// invariant ones) with the same TG. Each group reuses its own buffers (BUFS / TG of them), every
+// buffer filled before the wait (AHEAD = BUFS), the later tiles by the group's own threads with a
+// barrier of its own (named barrier 1 + g).
+#ifndef TG
+#define TG 1
+#endif
+#define THREADS (128 * TG)
 #ifndef WHOLE  // a row of at most WHOLE keys takes them in one split, however short CHUNK is
 #define WHOLE 0
 #endif
@@ -72,7 +84,7 @@
 #if QK_WGMMA
 #include "wgmma.cuh"
 #endif
-#define WARPS 4
+#define WARPS (4 * TG)
 // -DBUFS (2 to 4): K/V tile buffers in shared memory; a tile is asked for once the buffer it
 // takes is free, BUFS - 1 tiles ahead of the one being used, and a tile's wait leaves the tiles
 // after it in flight. 4 for a launch of one wave with PDL (flash_decode.py): a short row (up to
@@ -88,8 +100,10 @@
 #ifndef AHEAD
 #define AHEAD 1
 #endif
-static_assert(BUFS >= 2 && BUFS <= 4, "BUFS: 2 to 4");
-static_assert(AHEAD == BUFS || (AHEAD == 1 && BUFS == 2), "AHEAD: BUFS, or 1 with 2 buffers");
+static_assert(BUFS >= 2, "BUFS: 2 or more");
+static_assert(TG == 1 ? BUFS <= 4 : (TG == 4 && (BUFS == 4 || BUFS == 8)), "BUFS: 2 to 4; with TG 4, 4 or 8");
+static_assert(AHEAD == BUFS || (TG == 1 && AHEAD == 1 && BUFS == 2), "AHEAD: BUFS, or 1 with 2 buffers");
+static_assert(TG == 1 || !(KV_FP8 || SWAP), "TG: 16-bit K/V only");
 // RESIDENT: a row whose tiles all landed before the loop runs them with no barriers between them
 // (below). Built only with four buffers and PDL, the launches of one wave (flash_decode.buffers),
 // whose few blocks are each on the critical path: built with two as well, it took the 16-bit form
@@ -266,6 +280,7 @@ constexpr int SMEM_BYTES = 1024 + 8 * HEAD_DIM + BUFS * (KT_BYTES + VT_BYTES) + 
 constexpr int SMEM_BYTES = (SWAP ? 0 : 2 * 16 * LDS) + 2 * BUFS * KEYS * SROW;
 #else
 constexpr int SMEM_BYTES = 2 * (16 + 2 * BUFS * KEYS) * LDS;
+static_assert((2 + HEAD_DIM) * WARPS * GROUP * 4 <= 2 * BUFS * KEYS * LDS * 2, "the warps' partials fit the tiles");
 #endif
 
 // Split `split` of row b's keys for KV head kvh (the kernel below, one block each; attn_o.cu
@@ -451,13 +466,14 @@ __device__ __forceinline__ void decode_split(
     const float scale2 = scale * 1.4426950408889634f;
 
 #if !SWAP
+    const int wk = TG > 1 ? warp & 3 : warp;  // the warp's 16 keys of a tile: keys 16 wk .. 16 wk + 15
     // A warp's 16 keys of tile t: scores (sc, zero on entry; keys past the split masked), then
     // their softmax step and P V. Only the running max, sum and output link one tile to the next.
     auto tile_scores = [&](int t, float (&sc)[2][4]) {
-        const int n0 = start + t * KEYS + warp * 16;  // this warp's 16 keys
+        const int n0 = start + t * KEYS + wk * 16;  // this warp's 16 keys
         if (n0 >= end) return;
 #if KV_FP8
-        const unsigned char *cK = st + ((t % BUFS) * 2 * KEYS + warp * 16) * SROW;
+        const unsigned char *cK = st + ((t % BUFS) * 2 * KEYS + wk * 16) * SROW;
 #pragma unroll
         for (int kk = 0; kk < KSTEPS; kk++)
 #pragma unroll
@@ -468,7 +484,7 @@ __device__ __forceinline__ void decode_split(
                 mma_16816(sc[j], qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], b0, b1);
             }
 #else
-        const scalar_t *cK = sK + ((t % BUFS) * KEYS + warp * 16) * LDS;
+        const scalar_t *cK = sK + ((t % BUFS) * KEYS + wk * 16) * LDS;
 #pragma unroll
         for (int kk = 0; kk < KSTEPS; kk++) {
             unsigned kf[4];
@@ -486,7 +502,7 @@ __device__ __forceinline__ void decode_split(
         }
     };
     auto tile_output = [&](int t, float (&sc)[2][4]) {
-        if (start + t * KEYS + warp * 16 >= end) return;
+        if (start + t * KEYS + wk * 16 >= end) return;
         online_softmax<2, OTILES, GROUP <= 8 ? 1 : 2>(sc, m_run, l_run, o, scale2);
         const unsigned a0 = pack2(sc[0][0], sc[0][1]), a1 = pack2(sc[0][2], sc[0][3]);
         const unsigned a2 = pack2(sc[1][0], sc[1][1]), a3 = pack2(sc[1][2], sc[1][3]);
@@ -494,7 +510,7 @@ __device__ __forceinline__ void decode_split(
         // k slots 2q, 2q+1, 2q+8, 2q+9 of P are keys 4q..4q+3 (key_of); output tiles 4u..4u+3
         // take dims 32u + 4n + (0..3) at column n (out_dim). A lane's four V words (keys
         // 4q..4q+3, dims 32u + 4g..+3) interleaved bytewise, two dims per permute, feed four MMAs
-        const unsigned char *cV = st + ((t % BUFS) * 2 * KEYS + KEYS + warp * 16) * SROW;
+        const unsigned char *cV = st + ((t % BUFS) * 2 * KEYS + KEYS + wk * 16) * SROW;
 #pragma unroll
         for (int u = 0; u < OTILES / 4; u++) {
             unsigned w[4];
@@ -512,7 +528,7 @@ __device__ __forceinline__ void decode_split(
             }
         }
 #else
-        const scalar_t *cV = sV + ((t % BUFS) * KEYS + warp * 16) * LDS;
+        const scalar_t *cV = sV + ((t % BUFS) * KEYS + wk * 16) * LDS;
 #pragma unroll
         for (int j = 0; j < OTILES; j += 2) {
             unsigned vf[4];
@@ -522,6 +538,33 @@ __device__ __forceinline__ void decode_split(
         }
 #endif
     };
+#endif
+#if TG > 1
+    {
+        const int grp = warp >> 2;
+        const bool resident = n_tiles <= BUFS;  // every tile landed before the loop: no barriers
+#pragma unroll 1
+        for (int t = grp; t < n_tiles; t += TG) {
+            if (!resident && t >= BUFS) {  // the group asked for it once done with its tile t - BUFS
+                cp_async_wait<BUFS / TG - 1>();  // its later tiles (one an iteration) may still be on their way
+                asm volatile("bar.sync %0, 128;" ::"r"(1 + grp) : "memory");
+            }
+            float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+            tile_scores(t, sc);
+            tile_output(t, sc);
+            if (!resident) {
+                if (t + BUFS < n_tiles) {  // tile t + BUFS, the group's too, takes buffer t % BUFS
+                    asm volatile("bar.sync %0, 128;" ::"r"(1 + grp) : "memory");
+                    load_kv_tile<KEYS, HEAD_DIM, 128>(k_tile(t), v_tile(t), STRIDE, kb, vb, kv_stride,
+                                                      start + (t + BUFS) * KEYS, end, start, -1, 0, tid & 127);
+                }
+                cp_async_commit();
+            }
+        }
+        __syncthreads();  // the tiles' memory takes the warps' partials below
+    }
+#else
+#if !SWAP
     if (RESIDENT && n_tiles <= BUFS) {
         // Every tile landed before the loop (a short row, PDL): no barriers between tiles, the
         // arithmetic and its order the loop's below (so the bits too). H200, SmolLM2 B=1 decode
@@ -567,12 +610,16 @@ __device__ __forceinline__ void decode_split(
 #endif
         __syncthreads();  // everyone is done with buffer t % BUFS before tile t + BUFS overwrites it
     }
+#endif
 #pragma unroll
     for (int r = 0; r < 2; r++)  // a row's (SWAP: a head's) sum over the lanes that hold its keys
 #pragma unroll
         for (int x = SWAP ? 4 : 1; x < (SWAP ? 32 : 4); x *= 2) l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], x);
 
-    // combine the warps (in the K/V tiles' memory; every load has landed and been used)
+    // combine the warps (in the K/V tiles' memory; every load has landed and been used); with tile
+    // groups only those of the groups that had tiles (the rest hold nothing): a row of one tile
+    // combines 4 warps, not 16 (H200, SmolLM2 B=1 at 40 keys: 16 cost 0.28 us a layer)
+    const int live = TG > 1 ? 4 * min(TG, n_tiles) : WARPS;
     float *red_m = scratch_a;                      // [WARPS][GROUP]
     float *red_l = red_m + WARPS * GROUP;          // [WARPS][GROUP]
     float *red_o = red_l + WARPS * GROUP;          // [WARPS][GROUP][HEAD_DIM]
@@ -596,7 +643,7 @@ __device__ __forceinline__ void decode_split(
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         const int row = g + 8 * r;
-        if (row >= GROUP) continue;
+        if (row >= GROUP || (TG > 1 && warp >= live)) continue;
         if (qd == 0) {
             red_m[warp * GROUP + row] = m_run[r];
             red_l[warp * GROUP + row] = l_run[r];
@@ -616,10 +663,10 @@ __device__ __forceinline__ void decode_split(
         const int h = i / HEAD_DIM, d = i % HEAD_DIM;
         float M = NEG_INF;
 #pragma unroll
-        for (int w = 0; w < WARPS; w++) M = fmaxf(M, red_m[w * GROUP + h]);
+        for (int w = 0; w < live; w++) M = fmaxf(M, red_m[w * GROUP + h]);
         float O = 0.0f, L = 0.0f;
 #pragma unroll
-        for (int w = 0; w < WARPS; w++) {
+        for (int w = 0; w < live; w++) {
             const float m = red_m[w * GROUP + h];
             const float e = m == NEG_INF ? 0.0f : exp2f(m - M);
             O += red_o[(w * GROUP + h) * HEAD_DIM + d] * e;

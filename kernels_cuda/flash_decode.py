@@ -55,6 +55,8 @@ def smem_bytes(head_dim: int, kv_fp8: bool = False, group: int = 16, bufs: int =
 
 
 DEEP_MAX_SMEM = 96 << 10  # four buffers only where a block's shared memory stays within this
+TILE_GROUPS = 4  # flash_decode.cu's TG where a launch asks for tile groups (16-bit K/V)
+GROUPED_MAX_SMEM = 160 << 10  # ... two buffers a group (8) where the blocks fit the SMs at once and this holds
 THREE_BUFS_MAX_WAVES = 2  # three buffers for q K^T on wgmma in grids of at most this many waves of four blocks an SM
 THREE_BUFS_MAX_SPLITS = 2  # ... whose rows take at most this many splits
 
@@ -85,10 +87,22 @@ def buffers(blocks: int, pdl: bool, head_dim: int, kv_fp8: bool, group: int, wgm
     return 2
 
 
+def grouped_buffers(blocks: int, head_dim: int) -> int:
+    """K/V tile buffers a block of TILE_GROUPS tile groups (flash_decode.cu's -DTG): two a group where
+    the blocks fit the SMs at once and their shared memory stays within GROUPED_MAX_SMEM (a row of
+    up to 8 tiles then has every tile asked for before the wait), else one. Every one is filled
+    before the wait (AHEAD = BUFS), with or without programmatic dependent launch."""
+    deep = 2 * TILE_GROUPS
+    if blocks <= sm_count() and smem_bytes(head_dim, bufs=deep) <= GROUPED_MAX_SMEM:
+        return deep
+    return TILE_GROUPS
+
+
 def flash_decode(q: cp.ndarray, k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, kv_lens: cp.ndarray,
                  layer_offset: int, num_kv_heads: int, part_o: cp.ndarray, part_ml: cp.ndarray,
                  counters: cp.ndarray, out: cp.ndarray, scale: float, chunk: int = 256, window: int = 0,
-                 pdl: bool = False, kv_fp8: bool = False, whole: int = 0, short: int = 0) -> cp.ndarray:
+                 pdl: bool = False, kv_fp8: bool = False, whole: int = 0, short: int = 0,
+                 grouped: bool = False) -> cp.ndarray:
     """out (B, H, D) = softmax(q k^T * scale) v over each row's kv_lens[b] cached keys.
 
     part_o (B, H, S, D) float32 and part_ml (B, H, S, 2) float32 are the split partials;
@@ -98,6 +112,9 @@ def flash_decode(q: cp.ndarray, k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, kv_lens:
     kv_fp8: the cache holds float8 e4m3 (one byte an element) instead of q's 16-bit type.
     whole: a row of at most this many keys (after the window) takes them all in one split.
     short: a longer row of at most this many keys takes splits of KEYS keys (at most S of them).
+    grouped: 16-bit K/V only; each block runs TILE_GROUPS groups of 4 warps, each over its own tiles of
+    the split (flash_decode.cu's -DTG), so that a split's tiles run side by side. A row's bits then
+    differ from those of a launch without it, but not with the buffers or pdl.
     """
     if q.ndim != 3:
         raise ValueError(f"q: expected (B, heads, head_dim), got {q.shape}")
@@ -125,16 +142,19 @@ def flash_decode(q: cp.ndarray, k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, kv_lens:
         raise ValueError(f"short {short}: {S} splits of {KEYS} keys cover at most {S * KEYS}")
     check(counters, "counters", np.int32, (B, num_kv_heads))
     check(out, "out", q.dtype, (B, H, D))
+    if grouped and kv_fp8:
+        raise ValueError("grouped: 16-bit K/V only")
     group = H // num_kv_heads
     blocks = B * num_kv_heads * S
     wg = qk_wgmma(group, kv_fp8, D)
-    bufs = buffers(blocks, pdl, D, kv_fp8, group, wg, S)
+    groups = TILE_GROUPS if grouped else 1
+    bufs = grouped_buffers(blocks, D) if grouped else buffers(blocks, pdl, D, kv_fp8, group, wg, S)
     mod = module("flash_decode", arch="sm_90a" if wg else None, USE_BF16=use_bf16(q), HEAD_DIM=D, GROUP=group,
                  CHUNK=chunk, KV_FP8=int(kv_fp8), WHOLE=whole, SHORT=short,
                  MIN_BLOCKS=min_blocks(blocks, D, group, kv_fp8), SWAP=int(swapped(group, kv_fp8)),
-                 QK_WGMMA=int(wg), BUFS=bufs, AHEAD=bufs if pdl else 1)
+                 QK_WGMMA=int(wg), BUFS=bufs, AHEAD=bufs if pdl or grouped else 1, TG=groups)
     smem = smem_bytes(D, kv_fp8, group, bufs, wg)
-    launch(function(mod, "flash_decode_chunk", smem), (S, num_kv_heads, B), (CHUNK_THREADS,),
+    launch(function(mod, "flash_decode_chunk", smem), (S, num_kv_heads, B), (CHUNK_THREADS * groups,),
            (q, k_ptrs, v_ptrs, kv_lens, i64(layer_offset), part_o, part_ml, counters, out, i32(H), i32(num_kv_heads),
             i32(S), i32(window), f32(scale)), shared_mem=smem, pdl=pdl)
     return out

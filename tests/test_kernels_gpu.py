@@ -1388,6 +1388,13 @@ def test_flash_decode_buffers_and_splits_by_grid(monkeypatch):
     assert [splits(r, WGMMA_DECODE_BLOCKS_PER_SM) for r in (32, 64, 128, 256)] == [2, 1, 1, 1]
     assert [splits(r, DECODE_BLOCKS_PER_SM) for r in (32, 64, 128, 256)] == [3, 2, 1, 1]
     assert decode_split_plan(16, 8, 2048, 132, WGMMA_DECODE_BLOCKS_PER_SM) == decode_split_plan(16, 8, 2048, 132)
+    # tile groups (16-bit K/V, SmolLM2's 64-dim heads): two buffers a group where the blocks fit the SMs at
+    # once, one past that or at 128 dims (8 would take 276 KB); up to 16 rows only, a row of up to 512 keys whole
+    assert [fd.grouped_buffers(b, 64) for b in (3, 48, 132, 133)] == [8, 8, 8, 4]
+    assert fd.grouped_buffers(8, 128) == 4
+    assert decode_split_plan(1, 3, 2048, 132, grouped=True) == (128, 16, 512, 768, True)
+    assert decode_split_plan(16, 3, 2048, 132, grouped=True) == (128, 11, 512, 0, True)
+    assert decode_split_plan(32, 3, 2048, 132, grouped=True) == decode_split_plan(32, 3, 2048, 132)
 
 
 @pytest.mark.parametrize("kv8", [False, True], ids=["kv16", "kv8"])
@@ -1397,7 +1404,7 @@ def test_flash_decode_buffers_and_splits_by_grid(monkeypatch):
     (3, 128, 300, (8, 2), 4, 0, 0), (6, 128, 0, (8, 2), 1, 256, 0), (3, 128, 300, (8, 2), 1, 320, 0),
     (16, 128, 0, (8, 2), 1, 256, 1024), (10, 128, 0, (8, 2), 1, 0, 640), (8, 128, 300, (8, 2), 1, 0, 512),
     (3, 128, 300, (14, 2), 1, 0, 0), (2, 128, 0, (4, 4), 1, 0, 0), (3, 128, 300, (6, 2), 4, 0, 0),
-    (1, 256, 0, (4, 2), 1, 0, 0)])
+    (1, 256, 0, (4, 2), 1, 0, 0), (1, 512, 0, (6, 2), 1, 512, 0)])
 @pytest.mark.parametrize("D", [64, 128])
 def test_flash_decode(kv8, splits, chunk, window, heads, min_blocks, whole, short, D, monkeypatch):
     """Split-KV decode attention against softmax(q k^T * scale) v in float64: rows of various
@@ -1411,7 +1418,10 @@ def test_flash_decode(kv8, splits, chunk, window, heads, min_blocks, whole, shor
     many keys take splits of 64 (1,000 keys in 16, 640 in 10). Head dims 64 (SmolLM2) and 128
     (the 8B shapes). Launched with programmatic dependent launch (sm_90), where it loads its
     buffers' tiles before its wait instead of one tile, with two, three and four buffers (a tile's
-    wait leaving the ones after it in flight), it gives the same bits."""
+    wait leaving the ones after it in flight), it gives the same bits. In tile groups (16-bit K/V,
+    `grouped`: four groups of 4 warps, each over its own tiles of a split) it has bits of its own,
+    the same with one or two buffers a group (every tile of a row of up to 4 or 8 tiles before the
+    wait, or a group's later tiles after its earlier ones), with or without PDL, and the same bound."""
     import kernels_cuda.flash_decode as fd
     from kernels_cuda._module import pdl_supported
     from kernels_cuda.flash_decode import flash_decode
@@ -1439,6 +1449,19 @@ def test_flash_decode(kv8, splits, chunk, window, heads, min_blocks, whole, shor
                      window=window, kv_fp8=kv8, whole=whole, short=short, pdl=True)
         assert not counters.any()
         np.testing.assert_array_equal(cp.asnumpy(ahead).view(np.uint16), cp.asnumpy(out).view(np.uint16))
+    outs = [out]
+    if not kv8:
+        deep = (4, 8) if fd.smem_bytes(D, bufs=8) <= fd.GROUPED_MAX_SMEM else (4,)
+        for bufs, pdl in [(n, p) for n in deep for p in ((False, True) if pdl_supported() else (False,))]:
+            monkeypatch.setattr(fd, "grouped_buffers", lambda *args, n=bufs: n)
+            grouped = cp.full_like(out, np.nan)
+            flash_decode(q_dev, kp, vp, cp.asarray(lens), 0, KVH, part_o, part_ml, counters, grouped, scale,
+                         chunk=chunk, window=window, whole=whole, short=short, pdl=pdl, grouped=True)
+            assert not counters.any()
+            if len(outs) > 1:
+                np.testing.assert_array_equal(cp.asnumpy(grouped).view(np.uint16), cp.asnumpy(outs[1]).view(np.uint16))
+            else:
+                outs.append(grouped)
 
     def split_count(span: int) -> int:  # the kernel's plan for a row
         length = max(chunk, -(-span // (splits * 64)) * 64)
@@ -1451,15 +1474,15 @@ def test_flash_decode(kv8, splits, chunk, window, heads, min_blocks, whole, shor
     spans = np.minimum(lens, window) if window else lens
     partials = cp.asnumpy(part_ml[:, :, :, 1]).any(axis=(1, 2))  # a split wrote its sum
     np.testing.assert_array_equal(partials, [split_count(int(n)) > 1 for n in spans])
-    got = cp.asnumpy(out).astype(np.float64)
     qr = rounded(q, "float16").astype(np.float64)
-    for b, n in enumerate(lens):
-        if n == 0:
-            continue
-        for h in range(H):
-            ref = attend_f64(kv, b, n, window, h // (H // KVH), qr[b, h], scale)
-            # P and the output pass through 16 bits
-            np.testing.assert_allclose(got[b, h], ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
+    for got in (cp.asnumpy(o).astype(np.float64) for o in outs):
+        for b, n in enumerate(lens):
+            if n == 0:
+                continue
+            for h in range(H):
+                ref = attend_f64(kv, b, n, window, h // (H // KVH), qr[b, h], scale)
+                # P and the output pass through 16 bits
+                np.testing.assert_allclose(got[b, h], ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
 
 
 @pytest.mark.parametrize("D", [64, 128])

@@ -234,6 +234,14 @@ ROOFLINE_EVERY = 8
 
 # Steps of up to 16 rows take a row of at most this many keys in one split (see decode_split_plan).
 WHOLE_KEYS = 256
+# Steps of up to 16 rows of a model with 16-bit K/V and heads of at most TILE_GROUPS_MAX_DIM dims run
+# their decode attention in tile groups (flash_decode's grouped: four groups of 4 warps a block, each
+# over its own 64-key tiles of the split, side by side rather than one after another), and take a
+# row of at most GROUPED_WHOLE_KEYS keys in one split. One form for every step of up to 16 rows, so
+# that a row's bits do not depend on the step's rows.
+TILE_GROUPS = True
+TILE_GROUPS_MAX_DIM = 64
+GROUPED_WHOLE_KEYS = 512
 # ... and a longer row in splits of FLASH_KEYS keys while they number at most this many and the
 # step's blocks fit the SMs once (decode_split_plan).
 SHORT_SPLITS = 12
@@ -254,10 +262,11 @@ class SplitPlan(NamedTuple):
     splits: int  # splits a row at most (the grid's S)
     whole: int  # a row of at most this many keys takes one split
     short: int  # a longer row of at most this many keys takes splits of FLASH_KEYS (0: none)
+    grouped: bool = False  # blocks of tile groups (flash_decode's grouped)
 
 
 def decode_split_plan(rows: int, kv_heads: int, max_model_len: int, sms: int,
-                      per_sm: int = DECODE_BLOCKS_PER_SM) -> SplitPlan:
+                      per_sm: int = DECODE_BLOCKS_PER_SM, grouped: bool = False) -> SplitPlan:
     """The flash-decode grid for a step of `rows` rows on `sms` SMs. Shortest split: 128 keys
     up to 16 rows, so that a short context still spreads over several blocks (B=1, 8 KV
     heads, 512 keys: 32 blocks rather than 16 of 256), 256 from 32 rows on. Splits: as many
@@ -280,16 +289,19 @@ def decode_split_plan(rows: int, kv_heads: int, max_model_len: int, sms: int,
     splits, one process: 8B B=1 at 575 keys 4.178 -> 4.124 ms, fp8 K/V 4.166 -> 4.130;
     SmolLM2 at 511 keys B=1 / 2 / 4 0.462 / 0.537 / 0.566 -> 0.454 / 0.530 / 0.550; 16 splits
     were worse for SmolLM2 at 1,000 keys, 0.487 -> 0.490, hence 12).
+    grouped (up to 16 rows; the runner's TILE_GROUPS): blocks of tile groups, and GROUPED_WHOLE_KEYS
+    in place of WHOLE_KEYS.
     """
     shortest = 128 if rows <= 16 else 256
     fill = -(-(DECODE_BLOCKS_PER_SM if rows <= 16 else per_sm) * sms // (rows * kv_heads))
     splits = max(1, min(FLASH_MAX_SPLITS, -(-max_model_len // shortest), fill))
     if rows > 16:
         return SplitPlan(shortest, splits, 0, 0)
+    whole = GROUPED_WHOLE_KEYS if grouped else WHOLE_KEYS
     n = min(SHORT_SPLITS, sms // (rows * kv_heads), -(-max_model_len // FLASH_KEYS))
-    if n * FLASH_KEYS <= WHOLE_KEYS:
-        return SplitPlan(shortest, splits, WHOLE_KEYS, 0)
-    return SplitPlan(shortest, max(splits, n), WHOLE_KEYS, n * FLASH_KEYS)
+    if n * FLASH_KEYS <= whole:
+        return SplitPlan(shortest, splits, whole, 0, grouped)
+    return SplitPlan(shortest, max(splits, n), whole, n * FLASH_KEYS, grouped)
 
 
 def bucket_for(n: int) -> int:
@@ -603,8 +615,10 @@ class CudaRunner:
         self.splits: dict[int, SplitPlan] = {}
         wgmma = qk_wgmma(cfg.num_heads // cfg.num_kv_heads, self.kv_fp8, cfg.head_dim)
         per_sm = WGMMA_DECODE_BLOCKS_PER_SM if wgmma else DECODE_BLOCKS_PER_SM
+        grouped = TILE_GROUPS and not self.kv_fp8 and cfg.head_dim <= TILE_GROUPS_MAX_DIM
         for bucket in BUCKETS:
-            self.splits[bucket] = decode_split_plan(bucket, cfg.num_kv_heads, self.max_model_len, sm_count(), per_sm)
+            self.splits[bucket] = decode_split_plan(bucket, cfg.num_kv_heads, self.max_model_len, sm_count(), per_sm,
+                                                    grouped and bucket <= GEMV_MAX_ROWS)
             if bucket >= self.rows:
                 break
         self.max_splits = max(plan.splits for plan in self.splits.values())
@@ -1195,7 +1209,7 @@ class CudaRunner:
         part_ml = b.part_ml[:n * H * S * 2].reshape(n, H, S, 2)
         flash_decode(q, k_ptrs, v_ptrs, kv_lens, offset, cfg.num_kv_heads, part_o, part_ml, b.attn_counters[:n],
                      b.attn_out[:n], cfg.softmax_scale, plan.chunk, cfg.sliding_window or 0, pdl=self._launch_pdl,
-                     kv_fp8=self.kv_fp8, whole=plan.whole, short=plan.short)
+                     kv_fp8=self.kv_fp8, whole=plan.whole, short=plan.short, grouped=plan.grouped)
 
     def _mark_near_end(self, offset: int) -> None:
         """Record _near_end on the stream before the attention of layer near_end_layer of a ragged
