@@ -105,11 +105,11 @@ static_assert(TG == 1 ? BUFS <= 4 : (TG == 4 && (BUFS == 4 || BUFS == 8)), "BUFS
 static_assert(AHEAD == BUFS || (TG == 1 && AHEAD == 1 && BUFS == 2), "AHEAD: BUFS, or 1 with 2 buffers");
 static_assert(TG == 1 || !(KV_FP8 || SWAP), "TG: 16-bit K/V only");
 // RESIDENT: a row whose tiles all landed before the loop runs them with no barriers between them
-// (below). Built only with four buffers and PDL, the launches of one wave (flash_decode.buffers),
-// whose few blocks are each on the critical path: built with two as well, it took the 16-bit form
-// from 158 to 180 registers a thread (sm_90), so 2 blocks an SM where 3 had fitted, in the grids
-// of several waves (8B at many rows, whose rows of <= 2 tiles are rare).
-#define RESIDENT (AHEAD == BUFS && BUFS == 4)
+// (below), with every buffer filled before the wait (PDL). With two buffers it takes the 16-bit
+// form from 158 to 180 registers a thread (sm_90), 2 blocks an SM where 3 fit, yet 8B's 16-bit
+// decode at 128 rows of 512 + 128 ran faster with it than without (H200, alternated twice: 16,018.1
+// / 16,003.5 against 15,931.2 / 15,898.4 tok/s), so it is built wherever AHEAD = BUFS.
+#define RESIDENT (AHEAD == BUFS)
 #define KEYS 64                 // keys per tile, 16 per warp
 #define LDS (HEAD_DIM + 8)      // shared row stride (elements), as in flash_prefill
 #define MAX_SPLITS 64           // flash_decode.py keeps the grid's splits within this
