@@ -2,7 +2,7 @@
 (decode.py, prefill.py, serve.py, with --json), and a table gives each figure against its goal,
 met or not, with the device, the date and the commit.
 
-    python bench/targets.py                                  # all six (one H200: ~6 minutes)
+    python bench/targets.py                                  # all six (one H200: ~5 minutes)
     python bench/targets.py --only decode_8b_b1,smollm2_b1   # some of them
     python bench/targets.py --smollm2 random:smollm2-135m    # SmolLM2's shape with random weights
 
@@ -17,7 +17,8 @@ The targets (docs/performance.md, "Targets (issue 6)"):
 - http_b1: the same server at one stream (16 requests) against the engine alone in its own process:
   the HTTP path loses <= 5 % of output tok/s.
 
-A benchmark that fails gives its row "error" (its log is named); the rest still run. Each
+A benchmark that fails, or runs past --timeout (it and every process it started are then
+stopped), gives its row "error" (its log is named); the rest still run. Each
 benchmark's log and JSON stay in --out (default: a new temporary folder). Where the issue gives a
 peer's figure for the same work (llama.cpp's CUDA build on an H200, measured elsewhere), the row
 also gives our ratio to it in tok/s.
@@ -28,7 +29,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -161,20 +164,41 @@ def describe_run() -> str:
     return f"{gpu}; {datetime.date.today().isoformat()}; commit {commit}"
 
 
+def run_logged(cmd: list[str], log: Path, timeout: float | None) -> str | None:
+    """cmd with its stdout and stderr to log, in a session of its own; None where it exits 0, else
+    what went wrong. Past `timeout` seconds the whole session is killed: a benchmark's server and
+    client processes as well as the benchmark (their GPU memory with them)."""
+    with open(log, "w") as f:
+        f.write(shlex.join(cmd) + "\n")
+        f.flush()
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return f"timed out after {timeout:g} s"
+        finally:
+            try:  # whatever the benchmark left behind in its session
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return None if rc == 0 else f"rc {rc}"
+
+
 def run_target(target: Target, args, out: Path) -> dict:
-    """The target's runs in turn (stdout and stderr to OUT/NAME-i.log, JSON to OUT/NAME-i.json),
-    then its row."""
+    """The target's runs in turn (stdout and stderr to OUT/NAME-i.log, JSON to OUT/NAME-i.json;
+    each within args.timeout seconds where that is set), then its row."""
     outs, start = [], time.monotonic()
     for i, argv in enumerate(target.runs(args)):
         log, js = out / f"{target.name}-{i}.log", out / f"{target.name}-{i}.json"
         cmd = [sys.executable, str(BENCH / argv[0]), *argv[1:], "--json", str(js)]
-        with open(log, "w") as f:
-            f.write(shlex.join(cmd) + "\n")
-            f.flush()
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT).returncode
-        if rc != 0 or not js.exists():
+        failed = run_logged(cmd, log, getattr(args, "timeout", None) or None)
+        if failed is None and not js.exists():
+            failed = f"no JSON written ({js.name})"
+        if failed:
             return {"target": target.name, "label": target.label, "goal": target.goal, "met": False,
-                    "figure": f"error: rc {rc} (log {log})", "seconds": time.monotonic() - start}
+                    "figure": f"error: {failed} (log {log})", "seconds": time.monotonic() - start}
         outs.append(json.loads(js.read_text()))
     figure, met, rate = target.judge(outs)
     if target.peer and rate:
@@ -204,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
                          "random:smollm2-135m (the same shape with random weights)")
     ap.add_argument("--serve-flags", default=SERVE_FLAGS, help="the server's flags for serve_8b and http_b1")
     ap.add_argument("--loads", type=int, default=3, help="serve_8b's loads against its server (default 3)")
+    ap.add_argument("--timeout", type=float, default=900.0,
+                    help="seconds each benchmark run may take before it and its processes are killed and its "
+                         "row reads error (default 900; 0: no limit)")
     ap.add_argument("--out", help="the benchmarks' logs and JSON (default: a new temporary folder)")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)

@@ -5,6 +5,7 @@ benchmarks write)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -74,3 +75,35 @@ def test_every_target_builds_its_runs():
         for argv in target.runs(args):
             assert (targets.BENCH / argv[0]).is_file()
     assert targets.TARGETS[1].runs(args)[0][2] == "x.gguf"
+
+
+def test_a_benchmark_past_its_timeout_is_killed_with_what_it_started(tmp_path, monkeypatch):
+    """--timeout: the run and the processes it started (serve.py's server and clients) are killed
+    and the row reads error; a run within it is judged as before."""
+    import time
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    (bench / "sleepy.py").write_text(
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "open(sys.argv[1], 'w').write(str(child.pid))\n"
+        "time.sleep(60)\n")
+    monkeypatch.setattr(targets, "BENCH", bench)
+    pid_file = tmp_path / "child.pid"
+    slow = targets.Target("slow", "slow", "-", lambda args: [["sleepy.py", str(pid_file)]], targets.decode_judge(1))
+    start = time.monotonic()
+    row = targets.run_target(slow, targets.argparse.Namespace(timeout=2.0), tmp_path)
+    assert time.monotonic() - start < 30
+    assert row["met"] is False and row["figure"].startswith("error: timed out after 2 s (log ")
+
+    def gone(pid: int) -> bool:  # exited (a zombie counts: its parent was killed too)
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1].startswith("Z")
+        except FileNotFoundError:
+            return True
+
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while not gone(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gone(child), f"the benchmark's child {child} outlived its timeout"
