@@ -388,17 +388,18 @@ def capture_decode_graph(runner, batch: int):
 
 
 def timeline_table(shape_name: str, batch: int, context: int, kv_dtype: str = "auto",
-                   quantization: str | None = None, replays: int = 20) -> list[str]:
+                   quantization: str | None = None, replays: int = 20, points: bool = False) -> list[str]:
     """Where a decode graph's time goes with every kernel in place (PDL overlaps included):
     each kernel's block 0 stamps the global timer once past its wait (_module.Timeline), and a
     kernel's stage is the time from its stamp to the next kernel's, i.e. its own run after the
     wait plus the boundary to the next. cuBLAS kernels (steps over 16 rows) stamp nothing: their
     time falls into the stage before them. Medians over the replays, summed by kernel (and the
-    kernel before it, which tells e.g. the o projection from the down projection)."""
+    kernel before it, which tells e.g. the o projection from the down projection). points: the
+    kernels of _module.STAMP_POINTS also stamp at points inside them ("kernel:point" stages)."""
     import numpy as np
 
     from kernels_cuda._module import Timeline
-    tl = Timeline()
+    tl = Timeline(points=points)
     with tl.compiling():
         runner = decode_runner(shape_name, batch, context, kv_dtype, quantization, fill_kv=True)
         tl.names.clear()
@@ -741,6 +742,9 @@ def main() -> None:
     ap.add_argument("--ncu-summary", default="", help="summarise an ncu --csv file of such a run and stop")
     ap.add_argument("--timeline", action="store_true", help="the decode graph of each --batch by kernel, every kernel in "
                     "place (stamps of the GPU's global timer), and stop")
+    ap.add_argument("--points", action="store_true", help="--timeline: the decode attention's stage split "
+                    "where its q and first tiles have landed and where its tiles are done (kernels_cuda/_module.py's "
+                    "STAMP_POINTS)")
     ap.add_argument("--kernel-trace", action="store_true", help="the decode graph of each --batch under torch.profiler "
                     "(CUPTI): each kernel in place, by family and by the kernel launched before it, and stop")
     ap.add_argument("--mixed", default="", help="D,C,P,L: one mixed step of D decode rows at C keys and P prompts of "
@@ -789,8 +793,8 @@ def main() -> None:
         return
     if args.timeline:
         for B in batches:
-            print("\n".join(timeline_table(args.shape, B, args.context, args.kv_cache_dtype, args.quantization)),
-                  flush=True)
+            print("\n".join(timeline_table(args.shape, B, args.context, args.kv_cache_dtype, args.quantization,
+                                            points=args.points)), flush=True)
         return
     if args.profile:
         profile_graph(args.shape, batches[0], args.context, args.kv_cache_dtype, args.quantization, args.launches)

@@ -26,7 +26,7 @@ def module(family: str, arch: str | None = None, **defines: int) -> cp.RawModule
     target ("sm_90a" for wgmma; NVRTC takes it over the plain one CuPy adds), else the
     device's own."""
     if _timeline is not None:
-        defines["STAMPS"] = 1
+        defines["STAMPS"] = 2 if _timeline.points else 1
     key = (family, arch, tuple(sorted(defines.items())))
     mod = _MODULES.get(key)
     if mod is None:
@@ -34,17 +34,27 @@ def module(family: str, arch: str | None = None, **defines: int) -> cp.RawModule
         options = ("-std=c++17", f"-I{KERNEL_DIR}", *(f"-D{k}={int(v)}" for k, v in sorted(defines.items())),
                    *((f"-arch={arch}",) if arch else ()))
         mod = cp.RawModule(code=source, options=options)
-        if _timeline is not None:
-            _timeline.attach(mod)
         _MODULES[key] = mod
+    if _timeline is not None:  # a stamped module built for an earlier Timeline stamps into this one's buffer now
+        _timeline.attach(mod)
     return mod
+
+
+# The points inside a kernel where block 0 also stamps the timer in a Timeline with points
+# (common.cuh's STAMP_POINT, built with -DSTAMPS=2), in the order it passes them; kernels not named
+# here have none.
+STAMP_POINTS = {
+    "flash_decode_chunk": ("landed", "tiles done"),  # q and the tiles before the wait in; the tile loop over
+    "attn_o": ("landed", "tiles done"),  # (decode_split's, as flash_decode's)
+}
 
 
 class Timeline:
     """Where the kernels of a stream (a replayed graph above all) start, on the GPU's global
     timer (common.cuh's STAMPS): while one is open, modules are compiled with stamps and
     launch() notes each kernel's name. Exploration only (bench/kernels.py --timeline): the
-    stamp's atomic delays block 0 of each kernel by an L2 round trip.
+    stamp's atomic delays block 0 of each kernel by an L2 round trip. points: also stamp at the
+    points inside the kernels of STAMP_POINTS, noted as "kernel:point".
 
         tl = Timeline()
         with tl.compiling():  # build the runner to be timed, then tl.names.clear() and capture
@@ -52,10 +62,17 @@ class Timeline:
         tl.reset(); graph.launch(s); s.synchronize(); starts = tl.read()
     """
 
-    def __init__(self, slots: int = 1 << 14) -> None:
+    def __init__(self, slots: int = 1 << 14, points: bool = False) -> None:
         self.buf = cp.zeros(1 + slots, np.uint64)
+        self.points = points
         self.names: list[str] = []
-        self._slots: list[cp.ndarray] = []  # each stamped module's stamp_buf
+        self._slots: dict[int, cp.ndarray] = {}  # each stamped module's stamp_buf, by the module's id
+
+    def note(self, kernel: str) -> None:
+        """A launch of `kernel`: its name, and its points' where stamped."""
+        self.names.append(kernel)
+        if self.points:
+            self.names.extend(f"{kernel}:{point}" for point in STAMP_POINTS.get(kernel, ()))
 
     @contextlib.contextmanager
     def compiling(self):
@@ -68,13 +85,15 @@ class Timeline:
             _timeline = None
 
     def attach(self, mod: cp.RawModule) -> None:
-        self._slots.append(cp.ndarray((1,), np.uint64, memptr=mod.get_global("stamp_buf")))
-        self._slots[-1][0] = self.buf.data.ptr
+        """Point a stamped module's stamp_buf at this buffer (once a module)."""
+        if id(mod) not in self._slots:
+            slot = self._slots[id(mod)] = cp.ndarray((1,), np.uint64, memptr=mod.get_global("stamp_buf"))
+            slot[0] = self.buf.data.ptr
 
     def enable(self, on: bool) -> None:
         """Point the stamped modules at the buffer, or at nothing (their kernels then skip the
         stamp: the same code, timed without it)."""
-        for slot in self._slots:
+        for slot in self._slots.values():
             slot[0] = self.buf.data.ptr if on else 0
 
     def reset(self) -> None:
@@ -373,7 +392,7 @@ def launch(kernel: cp.RawKernel, grid: tuple, block: tuple, args: tuple, shared_
         launch_ex(kernel, grid, block, args, shared_mem, pdl)
         return
     if _timeline is not None:
-        _timeline.names.append(kernel.name)
+        _timeline.note(kernel.name)
     kernel(grid, block, args, shared_mem=shared_mem)
 
 
@@ -382,7 +401,7 @@ def launch_ex(kernel: cp.RawKernel, grid: tuple, block: tuple, args: tuple, shar
     """launch() through cuLaunchKernelEx, which also takes ByValue arguments (CuPy's launch
     does not): ~20 us of host time against ~5 through CuPy, nothing in a captured graph."""
     if _timeline is not None:
-        _timeline.names.append(kernel.name)
+        _timeline.note(kernel.name)
     grid = tuple(grid) + (1,) * (3 - len(grid))
     block = tuple(block) + (1,) * (3 - len(block))
     values = [_c_arg(a) for a in args]

@@ -75,6 +75,13 @@ __device__ __forceinline__ void stamp() {
 #else
 __device__ __forceinline__ void stamp() {}
 #endif
+// -DSTAMPS=2 (bench/kernels.py --timeline --points): block 0 also stamps at points inside some kernels,
+// STAMP_POINT() (_module.STAMP_POINTS names them), so that their stages split there. A point must be
+// passed once by block 0, after its wait.
+#define STAMP_POINT()                 \
+    do {                              \
+        if (STAMPS >= 2) stamp();     \
+    } while (0)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define PDL_ENTER()                                            \
     do {                                                       \

@@ -419,6 +419,7 @@ __device__ __forceinline__ void decode_split(
     cp_async_wait<0>();  // the tiles ahead have landed
     fence_proxy_async();  // this thread's copies and codes, before the MMAs read them
     __syncthreads();
+    STAMP_POINT();  // landed
     float qmul[2][2];  // lane (g, q) ends with heads 2 (q & 1) + c: [c][0] its own column's factor, [c][1] q ^ 2's
 #pragma unroll
     for (int c = 0; c < 2; c++) {
@@ -438,10 +439,12 @@ __device__ __forceinline__ void decode_split(
     }
     cp_async_wait<0>();  // the tiles ahead have landed
     __syncthreads();
+    STAMP_POINT();  // landed
 #endif
 #else
     cp_async_wait<0>();  // Q and the tiles ahead have landed
     __syncthreads();
+    STAMP_POINT();  // landed
     unsigned qf[KSTEPS][4];
 #pragma unroll
     for (int kk = 0; kk < KSTEPS; kk++) {
@@ -611,6 +614,7 @@ __device__ __forceinline__ void decode_split(
         __syncthreads();  // everyone is done with buffer t % BUFS before tile t + BUFS overwrites it
     }
 #endif
+    STAMP_POINT();  // tiles done
 #pragma unroll
     for (int r = 0; r < 2; r++)  // a row's (SWAP: a head's) sum over the lanes that hold its keys
 #pragma unroll

@@ -30,6 +30,9 @@ VARIANTS = {"flash_decode": [{"HEAD_DIM": 64, "GROUP": 3}, {"HEAD_DIM": 128, "GR
                              {"HEAD_DIM": 64, "GROUP": 3, "BUFS": 4, "AHEAD": 4},
                              {"HEAD_DIM": 64, "GROUP": 3, "TG": 4, "BUFS": 8, "AHEAD": 8},  # tile groups
                              {"HEAD_DIM": 128, "GROUP": 16, "TG": 4, "BUFS": 4, "AHEAD": 4},
+                             {"HEAD_DIM": 64, "GROUP": 3, "TG": 4, "BUFS": 8, "AHEAD": 8, "STAMPS": 2},  # --points
+                             {"HEAD_DIM": 128, "GROUP": 4, "KV_FP8": 1, "SWAP": 1, "MIN_BLOCKS": 4, "QK_WGMMA": 1,
+                              "BUFS": 4, "AHEAD": 4, "STAMPS": 2},
                              {"HEAD_DIM": 128, "GROUP": 4, "KV_FP8": 1, "WHOLE": 256},
                              {"HEAD_DIM": 128, "GROUP": 4, "KV_FP8": 1, "SWAP": 1, "MIN_BLOCKS": 4},
                              {"HEAD_DIM": 128, "GROUP": 4, "KV_FP8": 1, "SWAP": 1, "MIN_BLOCKS": 4, "QK_WGMMA": 1,

@@ -1485,6 +1485,31 @@ def test_flash_decode(kv8, splits, chunk, window, heads, min_blocks, whole, shor
                 np.testing.assert_allclose(got[b, h], ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["warps4", "groups"])
+def test_timeline_points_stamp_where_named(grouped):
+    """bench/kernels.py --timeline --points: a flash_decode launch in a Timeline with points stamps
+    once past its wait and once at each of its STAMP_POINTS, in that order, as its names say; a
+    second Timeline gets the stamps of the module the first one built (it is cached)."""
+    from kernels_cuda._module import STAMP_POINTS, Timeline
+    from kernels_cuda.flash_decode import flash_decode
+    (H, KVH), D, region = (6, 2), 64, 512
+    lens = np.array([300, 70], np.int32)
+    kv, kp, vp, _pool = kv_cache_rows(False, 2, region, KVH, D)
+    q = cp.asarray(rng.standard_normal((2, H, D)).astype(np.float16))
+    part_o, part_ml = cp.zeros((2, H, 1, D), np.float32), cp.zeros((2, H, 1, 2), np.float32)
+    out = cp.zeros((2, H, D), np.float16)
+    for _ in range(2):
+        tl = Timeline(points=True)
+        with tl.compiling():
+            flash_decode(q, kp, vp, cp.asarray(lens), 0, KVH, part_o, part_ml, cp.zeros((2, KVH), np.int32), out,
+                         D ** -0.5, chunk=512, whole=512, grouped=grouped)
+        cp.cuda.Device().synchronize()
+        stamps = tl.read()
+        points = STAMP_POINTS["flash_decode_chunk"]
+        assert tl.names == ["flash_decode_chunk", *(f"flash_decode_chunk:{p}" for p in points)]
+        assert len(stamps) == len(tl.names) and (np.diff(stamps) >= 0).all()
+
+
 @pytest.mark.parametrize("D", [64, 128])
 def test_flash_decode_bfloat16_fp8_multiplies_in_float16(D):
     """fp8 K/V with at most 8 query heads a KV head (the form with the keys as the MMA's rows): a
