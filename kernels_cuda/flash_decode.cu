@@ -45,13 +45,14 @@
 #endif
 // -DTG (tile groups; 16-bit K/V, not SWAP): TG groups of 4 warps, group g taking tiles g, g + TG,
 // g + 2 TG, ... of the split, each into its own running softmax, so that a split's tiles run side
-// by side, not one after another (a 64-key tile costs a warp ~0.35 us of dependent MMAs, shuffles
-// and exponentials: H200, SmolLM2 B=1 decode graphs 320 -> 341 us from 40 to 160 keys). The
-// 4 TG warps' partials are combined in warp order at the end, so a row's bits depend on TG,
-// not on BUFS or PDL: flash_decode.py builds every launch of a step of up to 16 rows (the batch-
-// invariant ones) with the same TG. Each group reuses its own buffers (BUFS / TG of them), every
-// buffer filled before the wait (AHEAD = BUFS), the later tiles by the group's own threads with a
-// barrier of its own (named barrier 1 + g).
+// by side, not one after another. The live groups' warps are combined in warp order at the end, so
+// a row's bits depend on TG, not on BUFS or PDL: the runner (cuda_runner.TILE_GROUPS) launches every
+// step of up to 16 rows (the batch-invariant ones) with the same TG. Each group reuses its own
+// buffers (BUFS / TG of them), every buffer filled before the wait (AHEAD = BUFS), the later tiles
+// by the group's own threads behind a barrier of its own (named barrier 1 + g). H200, SmolLM2 B=1:
+// tiles side by side cost 0.86 -> 0.99 us for 1 -> 3 (block 0's timer), and a row of up to 512 keys
+// takes one block instead of 64-key splits combined across blocks (docs/performance.md, sixty-first
+// session).
 #ifndef TG
 #define TG 1
 #endif
@@ -546,18 +547,19 @@ __device__ __forceinline__ void decode_split(
     {
         const int grp = warp >> 2;
         const bool resident = n_tiles <= BUFS;  // every tile landed before the loop: no barriers
+        auto group_sync = [&] { asm volatile("bar.sync %0, 128;" ::"r"(1 + grp) : "memory"); };
 #pragma unroll 1
         for (int t = grp; t < n_tiles; t += TG) {
             if (!resident && t >= BUFS) {  // the group asked for it once done with its tile t - BUFS
                 cp_async_wait<BUFS / TG - 1>();  // its later tiles (one an iteration) may still be on their way
-                asm volatile("bar.sync %0, 128;" ::"r"(1 + grp) : "memory");
+                group_sync();
             }
             float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
             tile_scores(t, sc);
             tile_output(t, sc);
             if (!resident) {
                 if (t + BUFS < n_tiles) {  // tile t + BUFS, the group's too, takes buffer t % BUFS
-                    asm volatile("bar.sync %0, 128;" ::"r"(1 + grp) : "memory");
+                    group_sync();
                     load_kv_tile<KEYS, HEAD_DIM, 128>(k_tile(t), v_tile(t), STRIDE, kb, vb, kv_stride,
                                                       start + (t + BUFS) * KEYS, end, start, -1, 0, tid & 127);
                 }

@@ -55,7 +55,7 @@ def smem_bytes(head_dim: int, kv_fp8: bool = False, group: int = 16, bufs: int =
 
 
 DEEP_MAX_SMEM = 96 << 10  # four buffers only where a block's shared memory stays within this
-TILE_GROUPS = 4  # flash_decode.cu's TG where a launch asks for tile groups (16-bit K/V)
+GROUPS_A_BLOCK = 4  # flash_decode.cu's TG where a launch asks for tile groups (16-bit K/V)
 GROUPED_MAX_SMEM = 160 << 10  # ... two buffers a group (8) where the blocks fit the SMs at once and this holds
 THREE_BUFS_MAX_WAVES = 2  # three buffers for q K^T on wgmma in grids of at most this many waves of four blocks an SM
 THREE_BUFS_MAX_SPLITS = 2  # ... whose rows take at most this many splits
@@ -88,14 +88,14 @@ def buffers(blocks: int, pdl: bool, head_dim: int, kv_fp8: bool, group: int, wgm
 
 
 def grouped_buffers(blocks: int, head_dim: int) -> int:
-    """K/V tile buffers a block of TILE_GROUPS tile groups (flash_decode.cu's -DTG): two a group where
+    """K/V tile buffers a block of GROUPS_A_BLOCK tile groups (flash_decode.cu's -DTG): two a group where
     the blocks fit the SMs at once and their shared memory stays within GROUPED_MAX_SMEM (a row of
     up to 8 tiles then has every tile asked for before the wait), else one. Every one is filled
     before the wait (AHEAD = BUFS), with or without programmatic dependent launch."""
-    deep = 2 * TILE_GROUPS
+    deep = 2 * GROUPS_A_BLOCK
     if blocks <= sm_count() and smem_bytes(head_dim, bufs=deep) <= GROUPED_MAX_SMEM:
         return deep
-    return TILE_GROUPS
+    return GROUPS_A_BLOCK
 
 
 def flash_decode(q: cp.ndarray, k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, kv_lens: cp.ndarray,
@@ -112,7 +112,7 @@ def flash_decode(q: cp.ndarray, k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, kv_lens:
     kv_fp8: the cache holds float8 e4m3 (one byte an element) instead of q's 16-bit type.
     whole: a row of at most this many keys (after the window) takes them all in one split.
     short: a longer row of at most this many keys takes splits of KEYS keys (at most S of them).
-    grouped: 16-bit K/V only; each block runs TILE_GROUPS groups of 4 warps, each over its own tiles of
+    grouped: 16-bit K/V only; each block runs GROUPS_A_BLOCK groups of 4 warps, each over its own tiles of
     the split (flash_decode.cu's -DTG), so that a split's tiles run side by side. A row's bits then
     differ from those of a launch without it, but not with the buffers or pdl.
     """
@@ -147,7 +147,7 @@ def flash_decode(q: cp.ndarray, k_ptrs: cp.ndarray, v_ptrs: cp.ndarray, kv_lens:
     group = H // num_kv_heads
     blocks = B * num_kv_heads * S
     wg = qk_wgmma(group, kv_fp8, D)
-    groups = TILE_GROUPS if grouped else 1
+    groups = GROUPS_A_BLOCK if grouped else 1
     bufs = grouped_buffers(blocks, D) if grouped else buffers(blocks, pdl, D, kv_fp8, group, wg, S)
     mod = module("flash_decode", arch="sm_90a" if wg else None, USE_BF16=use_bf16(q), HEAD_DIM=D, GROUP=group,
                  CHUNK=chunk, KV_FP8=int(kv_fp8), WHOLE=whole, SHORT=short,

@@ -618,7 +618,7 @@ class CudaRunner:
         grouped = TILE_GROUPS and not self.kv_fp8 and cfg.head_dim <= TILE_GROUPS_MAX_DIM
         for bucket in BUCKETS:
             self.splits[bucket] = decode_split_plan(bucket, cfg.num_kv_heads, self.max_model_len, sm_count(), per_sm,
-                                                    grouped and bucket <= GEMV_MAX_ROWS)
+                                                    grouped)
             if bucket >= self.rows:
                 break
         self.max_splits = max(plan.splits for plan in self.splits.values())
