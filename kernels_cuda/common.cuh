@@ -166,6 +166,24 @@ __device__ __forceinline__ void argmax_pair(float &v, int &i, float ov, int oi) 
     }
 }
 
+// order-preserving map from float to unsigned int
+__device__ __forceinline__ unsigned int ord_key(float f) {
+    const unsigned int u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// A logit and its token as one key whose max is argmax_pair's pick: the larger logit, then the
+// lower token (-0 as +0, which compare equal); NaN gives 0, below every other key, so is never
+// picked. The LM head's tiles leave a key a row (gemv.cu's gemv_keys), whose max the sampling
+// kernel takes for a greedy row instead of reading the row's logits (greedy_token).
+__device__ __forceinline__ unsigned long long greedy_key(float v, int token) {
+    if (v != v) return 0ull;
+    return ((unsigned long long)ord_key(v == 0.0f ? 0.0f : v) << 32) | (0xffffffffu - (unsigned)token);
+}
+__device__ __forceinline__ int greedy_token(unsigned long long key) {  // a row of NaNs only: 0
+    return key == 0ull ? 0 : (int)(0xffffffffu - (unsigned)key);
+}
+
 // The sums of an RMSNorm over float4s of a row, shared by rmsnorm.cu and the skinny GEMM's
 // folded norm (gemv.cu, NORM_IN) so that both give the same bits: residual + delta + bias,
 // and a float4's sum of squares.

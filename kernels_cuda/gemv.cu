@@ -13,7 +13,8 @@
 // (see Stage): another order of the sums, so a matrix is staged at every B or never.
 //
 // Epilogues: a block's output features ("slots") need not be consecutive weight rows.
-// Plain stores y. SiluMul gives the first half of the slots gate rows and the second half
+// Plain stores y; PlainKeys (an LM head's: gemv_keys) also leaves, for each row, its tile's
+// greedy_key (common.cuh): the tile's largest logit with its token. SiluMul gives the first half of the slots gate rows and the second half
 // the matching up rows, and stores SiLU(gate) * up (16-bit) for the down projection, so
 // no separate activation kernel runs and the float32 gate/up product is never written.
 // RopeKV gives the first half dims j of q/k heads and the second half their partners
@@ -314,6 +315,32 @@ struct Plain {
                 if (g < B) y[(long long)g * N + f] = v[4 * t + j];
                 if (WIDE && g + 8 < B) y[(long long)(g + 8) * N + f] = v[4 * t + 2 + j];
             }
+    }
+};
+
+template <int TILES>
+struct PlainKeys : Plain<TILES> {
+    unsigned long long *keys;  // (B, key_stride): row r's key of tile bx at keys[r * key_stride + bx]
+    int key_stride;
+    template <bool WIDE>
+    __device__ void store(int bx, int g, int q, const float *v, int B, const NoPre &pre) const {
+        Plain<TILES>::template store<WIDE>(bx, g, q, v, B, pre);
+        unsigned long long k[2] = {0ull, 0ull};  // rows g, g + 8: the lane's features, then its group's
+#pragma unroll
+        for (int t = 0; t < TILES; t++)
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                const int f = bx * 8 * TILES + 8 * t + 2 * q + j;
+                if (f >= this->N) continue;
+                k[0] = max(k[0], greedy_key(v[4 * t + j], f));
+                if (WIDE) k[1] = max(k[1], greedy_key(v[4 * t + 2 + j], f));
+            }
+#pragma unroll
+        for (int h = 0; h < (WIDE ? 2 : 1); h++) {
+#pragma unroll
+            for (int m = 1; m < 4; m *= 2) k[h] = max(k[h], __shfl_xor_sync(0xffffffffu, k[h], m));
+            if (q == 0 && g + 8 * h < B) keys[(long long)(g + 8 * h) * key_stride + bx] = k[h];
+        }
     }
 };
 
@@ -716,6 +743,9 @@ __device__ __forceinline__ void skinny(const scalar_t *__restrict__ x, const w_t
 
 // y (B, N) float32
 SKINNY_KERNELS(gemv, Plain, ({y, N}), float *__restrict__ y)
+// y (B, N) float32 and each tile's greedy key a row
+SKINNY_KERNELS(gemv_keys, PlainKeys, ({{y, N}, keys, key_stride}), float *__restrict__ y,
+               unsigned long long *__restrict__ keys, int key_stride)
 // act (B, N / 2) 16-bit = SiLU(gate) * up
 SKINNY_KERNELS(gemv_silu, SiluMul, ({act, N / 2}), scalar_t *__restrict__ act)
 // q_out (B, H, HEAD_DIM) and the token's K/V rows; N = (heads + 2 kv_heads) * HEAD_DIM

@@ -22,12 +22,6 @@ __device__ __forceinline__ float seeded_uniform(unsigned long long seed, unsigne
     return (float)(splitmix64(splitmix64(seed) ^ counter) >> 40) * (1.0f / 16777216.0f);
 }
 
-// order-preserving map from float to unsigned int
-__device__ __forceinline__ unsigned int ord_key(float f) {
-    const unsigned int u = __float_as_uint(f);
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
 __device__ __forceinline__ float block_sum_f(float v) {
     __shared__ float scratch[32];
     return block_sum(v, scratch);
@@ -36,6 +30,19 @@ __device__ __forceinline__ float block_sum_f(float v) {
 __device__ __forceinline__ float block_max_f(float v) {
     __shared__ float scratch[32];
     return block_max(v, scratch);
+}
+
+__device__ __forceinline__ unsigned long long block_max_u64(unsigned long long v) {
+    __shared__ unsigned long long sv[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if (lane == 0) sv[warp] = v;
+    __syncthreads();
+    v = lane < (THREADS >> 5) ? sv[lane] : 0ull;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
 }
 
 __device__ __forceinline__ int block_argmax(float v, int i) {
@@ -658,7 +665,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_tokens(
     const int *__restrict__ lp_n, float *__restrict__ out_lp, int *__restrict__ out_rank,
     int *__restrict__ top_ids, float *__restrict__ top_lp, int max_top,
     int few_cap,                             // candidates sample_few may take (0: bisect every row)
-    int *__restrict__ few_used) {            // null, or per row: 1 where sample_few gave the token, else 0
+    int *__restrict__ few_used,              // null, or per row: 1 where sample_few gave the token, else 0
+    // null, or (R, key_stride): the LM head's greedy keys (gemv.cu's gemv_keys), n_keys a row
+    const unsigned long long *__restrict__ keys, int n_keys, int key_stride) {
     extern __shared__ __align__(16) unsigned char few_smem[];  // FEW_SMEM bytes
     const int row = blockIdx.x, tid = threadIdx.x;
     // the row's parameters are staged inputs (a copy or stage_in, kernels before the LM head):
@@ -694,11 +703,17 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_tokens(
     }
 
     int token;
-    if (temp == 0.0f) {
+    if (temp == 0.0f && keys != nullptr && src == raw) {  // the LM head's tiles' keys, not V logits
+        const unsigned long long *k = keys + (long long)row * key_stride;
+        unsigned long long best = 0ull;
+        for (int i = tid; i < n_keys; i += THREADS) best = max(best, k[i]);
+        token = greedy_token(block_max_u64(best));
+    } else if (temp == 0.0f) {
         float bv = NEG_INF;
         int bi = 0x7fffffff;
         for (int v = tid; v < V; v += THREADS) argmax_pair(bv, bi, src[v], v);
         token = block_argmax(bv, bi);
+        if (token >= V) token = 0;  // a row of NaNs only, as greedy_token gives
     } else {
         const float inv_t = 1.0f / temp;
         float mx = NEG_INF;

@@ -15,7 +15,8 @@ FEW_SMEM = (THREADS // 32) * (1024 // 2) * 4 + 1024 * 12 + FEW_CAP * 2  # sampli
 def sample_tokens(logits: cp.ndarray, work: cp.ndarray, params: dict[str, cp.ndarray], counts: cp.ndarray,
                   prompt_mask: cp.ndarray, sampled: cp.ndarray, rows: int | None = None, pdl: bool = False,
                   host_out: np.ndarray | None = None, logprobs: tuple | None = None,
-                  few_cap: int = FEW_CAP, few_used: cp.ndarray | None = None) -> cp.ndarray:
+                  few_cap: int = FEW_CAP, few_used: cp.ndarray | None = None,
+                  keys: tuple[cp.ndarray, int] | None = None) -> cp.ndarray:
     """Sample one token per row of logits (R, V) float32 into sampled (R,) int32, and where
     host_out (pinned int32 host memory) is given, into host_out[params["out_index"][row]] too:
     the host reads them there once the step is done, with no copy after it. With logprobs =
@@ -29,6 +30,10 @@ def sample_tokens(logits: cp.ndarray, work: cp.ndarray, params: dict[str, cp.nda
     filters bisect over the whole row. few_cap=0 makes every row bisect (the tests compare the
     two). few_used (R,) int32, if given, gets 1 for each sampled row whose threshold sample_few
     found, 0 for the other sampled rows (greedy rows: untouched).
+
+    keys = (keys (>= rows, stride) uint64, count), as gemv.gemv_keys left them with these logits:
+    a greedy row with no penalties, biases or bans takes the max of its first `count` keys (the
+    same token as its argmax over the logits) and does not read its logits for the token.
 
     params: per-row device arrays temperature, top_p, min_p, rep_pen, freq_pen, pres_pen
     (float32); top_k, counters, pen_slot, bias_n, banned_n (int32); seeds (uint64);
@@ -62,6 +67,11 @@ def sample_tokens(logits: cp.ndarray, work: cp.ndarray, params: dict[str, cp.nda
     out_lp, out_rank, top_ids, top_lp = logprobs or (None,) * 4
     if few_used is not None:
         check(few_used, "few_used", np.int32)
+    key_arr, key_count = keys if keys is not None else (None, 0)
+    if key_arr is not None:
+        check(key_arr, "keys", np.uint64)
+        if key_arr.ndim != 2 or key_arr.shape[0] < rows or not 0 < key_count <= key_arr.shape[1]:
+            raise ValueError(f"keys: expected ({rows}+, >= {key_count}) with a count > 0, got {key_arr.shape}")
     if rows:
         launch(function(module("sampling"), "sample_tokens", FEW_SMEM), (rows,), (THREADS,),
                (logits, work, i32(V), p["temperature"], p["top_k"], p["top_p"], p["min_p"], p["seeds"],
@@ -72,7 +82,8 @@ def sample_tokens(logits: cp.ndarray, work: cp.ndarray, params: dict[str, cp.nda
                 ptr_or_null(None if host_out is None else p["out_index"]),
                 ptr_or_null(None if logprobs is None else p["lp_n"]), ptr_or_null(out_lp), ptr_or_null(out_rank),
                 ptr_or_null(top_ids), ptr_or_null(top_lp), i32(0 if top_ids is None else top_ids.shape[1]),
-                i32(min(few_cap, FEW_CAP)), ptr_or_null(few_used)), shared_mem=FEW_SMEM, pdl=pdl)
+                i32(min(few_cap, FEW_CAP)), ptr_or_null(few_used), ptr_or_null(key_arr), i32(key_count),
+                i32(0 if key_arr is None else key_arr.shape[1])), shared_mem=FEW_SMEM, pdl=pdl)
     return sampled
 
 

@@ -1063,6 +1063,48 @@ def test_tiny_admissions_launched_ahead_give_the_same_outputs(tmp_path):
     assert got == want and all(len(w) == 12 for w in want)
 
 
+def test_greedy_rows_take_their_token_from_the_lm_heads_keys(tmp_path, monkeypatch):
+    """GREEDY_KEYS: steps of greedy rows (with and without a repetition penalty, beside sampled
+    rows; prompt steps and decode graphs) sample the same tokens with the LM head's keys as from
+    its logits alone, and the keys do reach the sampling kernel."""
+    import engine.runner.cuda_runner as cr
+    from engine.kv_cache import KVCache
+    from engine.request import Request
+    from engine.scheduler import Scheduler
+    model = load_model(str(build_tiny_model(tmp_path, "llama", seed=4)), with_tokenizer=False)
+    kinds = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+             SamplingParams(max_tokens=10, temperature=0.0, repetition_penalty=1.3, ignore_eos=True),
+             SamplingParams(max_tokens=10, temperature=0.7, ignore_eos=True)]
+    real, keyed = cr.sample_tokens, []
+
+    def spy(*args, keys=None, **kwargs):
+        keyed.append(keys is not None)
+        return real(*args, keys=keys, **kwargs)
+    monkeypatch.setattr(cr, "sample_tokens", spy)
+
+    def run(on: bool) -> list[list[int]]:
+        monkeypatch.setattr(cr, "GREEDY_KEYS", on)
+        keyed.clear()
+        runner = cuda_runner(model, max_model_len=256, max_num_seqs=16)
+        s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256),
+                      KVCache(runner.num_kv_slots, 16), 256, 8, ())
+        requests = [Request(f"r{i}", [(7 * i + j) % (VOCAB - 3) + 3 for j in range(4 + i)], kinds[i % 3])
+                    for i in range(7)]
+        for i, r in enumerate(requests):
+            s.add_request(r, [i])
+        while s.has_work():
+            out = s.schedule()
+            if not out.is_empty:
+                s.update(out, runner.submit(out)())
+        return [r.seqs[0].output_token_ids for r in requests]
+
+    want = run(False)
+    assert keyed and not any(keyed)
+    got = run(True)
+    assert any(keyed)
+    assert got == want and all(len(w) == 10 for w in want)
+
+
 def test_prompt_logprobs_on_gpu_match_cpu(gpu_engine, smollm2_runner):
     ids = gpu_engine.tokenizer.encode("The capital of France is Paris")
     outs = []

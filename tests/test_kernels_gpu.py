@@ -171,6 +171,105 @@ def test_greedy_sampling_takes_the_first_largest_logit(V):
     assert want[1] == 7 and want[3] == 0 and want[5] == V - 1
 
 
+def first_argmax(x: np.ndarray) -> np.ndarray:
+    """A row's greedy token: the first index of its largest logit, NaN never; 0 where none is a number."""
+    return np.nanargmax(np.where(np.isnan(x), -np.inf, x), axis=1)
+
+
+def greedy_of_keys(logits: cp.ndarray, keys: tuple | None, params: dict | None = None) -> np.ndarray:
+    """sample_tokens' tokens for these logits (greedy rows unless params say otherwise), with the keys."""
+    from kernels_cuda.sampling import plain_params, sample_tokens
+    R, V = logits.shape
+    sampled = cp.full(R, -1, cp.int32)
+    sample_tokens(logits, cp.empty((R, V), cp.float32), params or plain_params([0.0] * R),
+                  cp.zeros((1, V), cp.int32), cp.zeros((1, (V + 31) // 32), cp.uint32), sampled, keys=keys)
+    return cp.asnumpy(sampled)
+
+
+@pytest.mark.parametrize("form", ["w16", "fp8", "q8_0"])
+@pytest.mark.parametrize("N", [3001, 49152])
+def test_gemv_keys_give_the_greedy_token(form, N):
+    """gemv_keys: gemv's logits to the bit, and a key a tile a row whose max is the row's first
+    largest logit, at 1-16 rows (one and two tiles a block; 16-bit, e4m3 and Q8_0 heads, Q8_0 at up
+    to 4 rows looping over its tiles); sample_tokens over those keys gives the tokens it gives over
+    the logits."""
+    from kernels_cuda.gemv import gemv, gemv_keys
+    from kernels_cuda.quant import Q8Matrix, quantize_matrix
+    r = np.random.default_rng(21)
+    K = 96
+    if form == "q8_0":
+        codes, scales, _ = random_q8_0(N, K, r)
+        w = Q8Matrix(cp.asarray(codes), cp.asarray(scales))
+    else:
+        w = to_dev(r.standard_normal((N, K)).astype(np.float32), "float16")
+        w = quantize_matrix(w) if form == "fp8" else w
+    x = to_dev(r.standard_normal((16, K)).astype(np.float32), "float16")
+    for B in (1, 3, 8, 9, 16):
+        want = cp.asnumpy(gemv(x[:B], w))
+        logits = cp.zeros((B, N), cp.float32)
+        keys = cp.zeros((B, -(-N // 8) + 3), cp.uint64)
+        count = gemv_keys(x[:B], w, logits, keys)
+        np.testing.assert_array_equal(cp.asnumpy(logits), want)
+        assert count in (-(-N // 8), -(-N // 16))
+        assert not cp.asnumpy(keys)[:, count:].any()  # past the count: as they were
+        np.testing.assert_array_equal(greedy_of_keys(logits, (keys, count)), first_argmax(want))
+        np.testing.assert_array_equal(greedy_of_keys(logits, None), first_argmax(want))
+
+
+def test_greedy_keys_of_ties_nan_and_inf():
+    """A logit's key orders as argmax_pair does: ties to the lower token within a tile, across tiles
+    and at the last token; NaN never (a row of NaNs only gives 0, as does the logits' own argmax);
+    a row of -inf gives 0. Each row planted in weight column 0 of its own one-row product."""
+    from kernels_cuda.gemv import gemv_keys
+    V, K = 3001, 64
+    r = np.random.default_rng(5)
+    base = (r.standard_normal(V) * 3).astype(np.float16).astype(np.float32)
+    top = np.float32(np.float16(base.max() + 1))
+    rows = [base.copy() for _ in range(7)]
+    rows[0][[V - 1, V // 2, 7]] = top  # ties across tiles: the lowest wins
+    rows[1][[5, 6]] = top  # a tie within a tile
+    rows[2][:] = -np.inf
+    rows[3][::97] = np.nan
+    rows[4][:] = np.nan
+    rows[5][V - 1] = top  # the last token
+    rows[6][::2] = np.nan
+    rows[6][1::2] = -np.inf
+    x = cp.asarray(np.eye(1, K, dtype=np.float16))
+    for i, col in enumerate(rows):
+        w = np.zeros((V, K), np.float16)
+        w[:, 0] = col
+        logits, keys = cp.zeros((1, V), cp.float32), cp.zeros((1, -(-V // 8)), cp.uint64)
+        count = gemv_keys(x, cp.asarray(w), logits, keys)
+        got = cp.asnumpy(logits)
+        np.testing.assert_array_equal(got, col[None])
+        want = first_argmax(got)
+        want[np.isnan(got).all(axis=1)] = 0
+        assert greedy_of_keys(logits, (keys, count))[0] == want[0], i
+        assert greedy_of_keys(logits, None)[0] == want[0], i
+    assert first_argmax(rows[0][None])[0] == 7 and first_argmax(rows[1][None])[0] == 5
+
+
+def test_sampling_reads_the_keys_of_plain_greedy_rows_only():
+    """sample_tokens takes a plain greedy row's token from its keys, and a row with a bias, a ban
+    or penalties, or a temperature, from its logits: keys planted to name token 5 (not the logits'
+    argmax) show which each row read."""
+    from kernels_cuda.sampling import plain_params
+    R, V = 5, 3001
+    x = np.zeros((R, V), np.float32)
+    x[:, 100] = 10.0
+    keys = np.zeros((R, 4), np.uint64)
+    keys[:, 2] = (np.uint64(0xFFFFFFFF) << np.uint64(32)) | np.uint64(0xFFFFFFFF - 5)  # the largest: token 5
+    p = plain_params([0.0, 0.0, 0.0, 0.0, 1e-4])
+    p["bias_n"][1] = 1  # +20 on token 200
+    p["bias_ids"][1, 0] = 200
+    p["bias_vals"][1, 0] = 20.0
+    p["banned_n"][2] = 1  # token 100 banned: 0 is the first of the rest
+    p["banned_ids"][2, 0] = 100
+    p["pen_slot"][3] = 0  # penalties (none that move anything): the row is processed
+    got = greedy_of_keys(cp.asarray(x), (cp.asarray(keys), 4), p)
+    np.testing.assert_array_equal(got, [5, 200, 0, 100, 100])
+
+
 def kept_probs(x: np.ndarray, temperature: float, top_k: int) -> np.ndarray:
     """The probabilities after temperature and top-k (ties with the k-th largest stay), float64."""
     s = x.astype(np.float64) / temperature

@@ -46,7 +46,7 @@ from kernels_cuda.flash_prefill import flash_prefill, tiles, use_wgmma
 from kernels_cuda.gemm import (gemm, gemm_fp8, gemm_fp8_scaled, rows_bucket, tune_gemm_fp8, tune_gemm_fp8_wgmma,
                                wgmma_supported)
 from kernels_cuda.gemv import MAX_ROWS as GEMV_MAX_ROWS
-from kernels_cuda.gemv import NormIn, gemv, gemv_rope, gemv_silu
+from kernels_cuda.gemv import NormIn, gemv, gemv_keys, gemv_rope, gemv_silu
 from kernels_cuda.quant import Fp8Matrix, Q8Matrix, quantize_matrix, quantize_rows
 from kernels_cuda.rmsnorm import add_rms_norm, rms_norm, rows_kernel
 from kernels_cuda.rescore import candidate_buffers, rescore
@@ -194,6 +194,13 @@ Q8_LM_HEAD_MIN_HIDDEN = 2048
 # at 1 / 256 rows: 16-bit 252 / 415 us, e4m3 143 / 235, rescored 174 / 313 (docs/performance.md,
 # fifty-eighth session). 0: none, and an untied head's 16-bit form is freed.
 LM_HEAD_RESCORE = 8
+
+# Steps of up to GEMV_MAX_ROWS rows: the LM head also leaves, for each row, each tile's largest
+# logit with its token as one key (gemv.gemv_keys), and the sampling kernel takes a greedy row's
+# token as the max of those keys (e.g. 3,072 for SmolLM2) instead of reading its logits (49,152
+# floats by one block: ~4.4 us of its B=1 decode graph, by leaving the kernel out). The same token
+# either way. False: greedy rows read their logits.
+GREEDY_KEYS = True
 
 # bfloat16 models carry the residual stream in bfloat16 (not float32) in steps of more than
 # GEMV_MAX_ROWS rows, as the model itself (and vLLM, and HF transformers) add it: add + RMSNorm
@@ -480,6 +487,8 @@ class DecodeBuffers:
     res_last16: cp.ndarray | None
     q_last: cp.ndarray
     logits: cp.ndarray  # (R, vocab) f32
+    # steps of up to GEMV_MAX_ROWS rows: the LM head's greedy keys, a tile's a row (gemv.gemv_keys)
+    logit_keys: cp.ndarray  # (min(R, GEMV_MAX_ROWS), ceil(vocab / 8)) uint64
     sample_work: cp.ndarray  # (R, vocab) f32 processed logits of rows with penalties / bias
     part_o: cp.ndarray  # flat f32 flash-decode partial outputs, (rows, heads, splits, head_dim) per bucket
     part_ml: cp.ndarray  # flat f32 their max and sum, (rows, heads, splits, 2)
@@ -510,9 +519,9 @@ class DecodeBuffers:
     products: dict[str, tuple[cp.ndarray, cp.ndarray]] = dataclasses.field(default_factory=dict)
 
     def memory_bytes(self) -> int:
-        owned = [self.final_norm_out, self.res_last, self.q_last, self.logits, self.sample_work, self.part_o,
-                 self.part_ml, self.sampled, self.lp_value, self.lp_rank, self.lp_top_ids, self.lp_top_values,
-                 self.pen_counts, self.pen_prompt_mask]
+        owned = [self.final_norm_out, self.res_last, self.q_last, self.logits, self.logit_keys, self.sample_work,
+                 self.part_o, self.part_ml, self.sampled, self.lp_value, self.lp_rank, self.lp_top_ids,
+                 self.lp_top_values, self.pen_counts, self.pen_prompt_mask]
         shared = [self.embed_out, self.norm_out, self.qkv_out, self.q_rot, self.attn_out, self.o_proj_out,
                   self.gate_up_out, self.mlp_act, self.down_out]
         shared += [a for a in (self.act_q, self.act_scale, self.res_alt, self.o_parts, self.down_parts)
@@ -820,6 +829,7 @@ class CudaRunner:
             res_last16=as_16(res_last),
             q_last=cp.zeros((R, H, D), s),
             logits=cp.zeros((R, V), np.float32),
+            logit_keys=cp.zeros((min(R, GEMV_MAX_ROWS), -(-V // 8)), np.uint64),
             sample_work=cp.zeros((R, V), np.float32),
             part_o=cp.zeros(parts * D, np.float32),
             part_ml=cp.zeros(parts * 2, np.float32),
@@ -906,15 +916,20 @@ class CudaRunner:
         q8 = self.lm_head_q8
         return q8 if q8 is not None and n <= GEMV_MAX_ROWS else self.weights.lm_head
 
-    def _logits(self, n: int) -> None:
+    def _logits(self, n: int, keys: bool = False) -> tuple[cp.ndarray, int] | None:
         """logits[:n] = the LM head (_lm_head's form for n rows) of final_norm_out[:n]. An fp8
         LM head past GEMV_MAX_ROWS rows is scaled in cuBLASLt's epilogue into float32: the
         sampling kernel reads finished logits (H200, 8B shape, graphs, us: 256 rows 451.6 ->
         234.9 with the rows' quantize, 128 rows 292.3 -> 156.4; its raw sums and a pass to scale
         them: 527.5 / 322.1). Its largest logits a row are then recomputed from the 16-bit form
-        where that is kept (LM_HEAD_RESCORE)."""
+        where that is kept (LM_HEAD_RESCORE). keys (GREEDY_KEYS; steps of up to GEMV_MAX_ROWS rows
+        whose logits are not rescored): the head also leaves its tiles' greedy keys (gemv_keys),
+        returned as _sample takes them; else None."""
         b = self.buffers
         x, head, logits = b.final_norm_out[:n], self._lm_head(n), b.logits[:n]
+        rescored = isinstance(head, Fp8Matrix) and self.lm_head_exact is not None
+        if keys and GREEDY_KEYS and n <= GEMV_MAX_ROWS and not rescored:
+            return b.logit_keys[:n], gemv_keys(x, head, logits, b.logit_keys[:n], pdl=self._launch_pdl)
         if isinstance(head, Fp8Matrix) and n > GEMV_MAX_ROWS:
             xq, x_scale = self._quantized(x)
             if not gemm_fp8_scaled(xq, x_scale, head, logits, self.fp8_fast_accum):
@@ -922,7 +937,7 @@ class CudaRunner:
                                    "which an fp8 LM head needs: run without --quantize-lm-head")
         else:
             self._linear(x, head, logits)
-        if isinstance(head, Fp8Matrix) and self.lm_head_exact is not None:
+        if rescored:
             rescore(logits, x, self.lm_head_exact, LM_HEAD_RESCORE, b.head_cand, pdl=self._launch_pdl)
 
     # ------------------------------------------------------------------ the model
@@ -1225,11 +1240,13 @@ class CudaRunner:
         (Engine._late_ahead): launching the next step then still leaves the device busy."""
         self._near_end.synchronize()
 
-    def _sample(self, n: int) -> None:
+    def _sample(self, n: int, keys: tuple[cp.ndarray, int] | None = None) -> None:
+        """Tokens for the first n rows of logits; keys: the LM head's greedy keys of these logits
+        (_logits' return), which greedy rows then read instead."""
         b, d = self.buffers, self.buffers.inputs.dev
         sample_tokens(b.logits, b.sample_work, d, b.pen_counts, b.pen_prompt_mask, b.sampled, rows=n,
                       pdl=self._launch_pdl, host_out=self._outputs.sampled,
-                      logprobs=(b.lp_value, b.lp_rank, b.lp_top_ids, b.lp_top_values))
+                      logprobs=(b.lp_value, b.lp_rank, b.lp_top_ids, b.lp_top_values), keys=keys)
 
     def _decode_body(self, n: int, side: int | None = None) -> None:
         """One decode step for n rows (a bucket): no host work, no branches on data. side: its
@@ -1250,8 +1267,7 @@ class CudaRunner:
         # the final norm is a kernel of its own even where _fold_norms: the LM head has the most
         # blocks, each of which would norm the row again (H200, SmolLM2 B=1 graph 0.404 -> 0.400 ms)
         self._norm(residual, delta, w.norm, b.final_norm_out[:n], down_scales)
-        self._logits(n)
-        self._sample(n)
+        self._sample(n, self._logits(n, keys=True))
 
     def _tune_products(self) -> None:
         """--quantization fp8: each layer product's cuBLASLt algorithm for the decode buckets
@@ -1576,7 +1592,7 @@ class CudaRunner:
                     for n in range(1, self.rows + 1):
                         self._sampled_tail(self._residual(T), T, n)
             for n in range(1, self.rows + 1):
-                self._logits(n)
+                self._logits(n, keys=True)
             self.stream.synchronize()
 
     def _sample_rows(self, hidden: cp.ndarray, rows, n: int) -> None:
@@ -1918,8 +1934,7 @@ class CudaRunner:
                 return lambda: result
             if not sampled_tail:
                 self._sample_rows(b.norm_out[:T], b.ragged.dev["last_tok"][:n], n)
-            self._logits(n)
-            self._sample(n)
+            self._sample(n, self._logits(n, keys=True))
             self._download(slot, n, want_lp)
 
         def finish() -> RunnerOutput:
