@@ -14,9 +14,10 @@
 //
 // Epilogues: a block's output features ("slots") need not be consecutive weight rows.
 // Plain stores y; PlainKeys (an LM head's: gemv_keys) also leaves, for each row, its tile's
-// greedy_key (common.cuh): the tile's largest logit with its token. SiluMul gives the first half of the slots gate rows and the second half
-// the matching up rows, and stores SiLU(gate) * up (16-bit) for the down projection, so
-// no separate activation kernel runs and the float32 gate/up product is never written.
+// greedy_key (common.cuh): the tile's largest logit with its token. SiluMul gives the first
+// half of the slots gate rows and the second half the matching up rows, and stores SiLU(gate)
+// * up (16-bit) for the down projection, so no separate activation kernel runs and the float32
+// gate/up product is never written.
 // RopeKV gives the first half dims j of q/k heads and the second half their partners
 // j + HEAD_DIM / 2, adds the bias, rotates, and writes q for attention and k, v into the
 // KV cache (the blocks after the q/k pairs take the v rows in order). The arithmetic is

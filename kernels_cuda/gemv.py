@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import cupy as cp
 import numpy as np
@@ -209,13 +208,13 @@ def _weights(x: cp.ndarray, w) -> tuple[cp.ndarray, cp.ndarray | None]:
     return w, None
 
 
-def _launch(name: str, x: cp.ndarray, w, extra: tuple | Callable[[int], tuple], pdl: bool, config: dict | None,
-            norm: NormIn | None = None, **defines: int) -> int:
+def _launch(name: str, x: cp.ndarray, w, extra: tuple, pdl: bool, config: dict | None, norm: NormIn | None = None,
+            **defines: int) -> int:
     """Checks shared by the skinny kernels, then the launch (x, w, B, N, K, prefetch, wscale,
     the norm's fields, *extra): a block per 8 weight rows (16 from 9 rows on, see tiles),
     whatever the epilogue makes of them (SiLU pairs, RoPE pairs: N / 8 or N / 16 blocks all
-    the same). With norm, x gives the rows' shape and type only. extra may be a function of the
-    tile count. Returns the tile count (a tile: a block's weight rows; see gemv_keys)."""
+    the same). With norm, x gives the rows' shape and type only. Returns the tile count (a
+    tile: a block's weight rows, at most N / 8; see gemv_keys)."""
     w, scale = _weights(x, w)
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"gemv: x {x.shape} and w {w.shape} do not chain")
@@ -258,8 +257,6 @@ def _launch(name: str, x: cp.ndarray, w, extra: tuple | Callable[[int], tuple], 
     count = grid = -(-N // (8 * n_tiles))
     if cfg.get("TILE_LOOP"):
         grid = min(grid, LOOP_MAX_GRID or blocks_per_sm(kernel, 32 * cfg["WARPS"], 0) * sm_count())
-    if callable(extra):
-        extra = extra(count)
     launch(kernel, (grid,), (32 * cfg["WARPS"],), (x, w, i32(B), i32(N), i32(K), i32(prefetch), ptr_or_null(scale),
                                                    *(NO_NORM if norm is None else norm.args(B, K)), *extra),
            shared_mem=0 if norm is None else x.nbytes, pdl=pdl)
@@ -286,20 +283,16 @@ def gemv(x: cp.ndarray, w, out: cp.ndarray | None = None, pdl: bool = False,
 def gemv_keys(x: cp.ndarray, w, out: cp.ndarray, keys: cp.ndarray, pdl: bool = False) -> int:
     """gemv's out = x @ w^T (an LM head's logits), and for each row the greedy key (common.cuh's
     greedy_key: the largest logit with its token, ties to the lower token, NaN never) of each
-    tile of the product's features in keys (B, >= tiles) uint64: the max of a row's keys is
+    tile of the product's features in keys (B, >= ceil(N / 8)) uint64: the max of a row's keys is
     the token sample_tokens' argmax would take from out, found there by reading `tiles` keys
     instead of N logits (sampling.sample_tokens' keys). Returns the tile count; keys past it
     are left as they were. The logits' bits are gemv's."""
     check(out, "out", np.float32, (x.shape[0], w.shape[0]))
     check(keys, "keys", np.uint64)
-    if keys.ndim != 2 or keys.shape[0] != x.shape[0]:
-        raise ValueError(f"gemv_keys: keys needs a row a row of x, got {keys.shape} for {x.shape[0]} rows")
-
-    def extra(count: int) -> tuple:
-        if keys.shape[1] < count:
-            raise ValueError(f"gemv_keys: keys needs rows of at least {count} keys, got {keys.shape}")
-        return out, keys, i32(keys.shape[1])
-    return _launch("gemv_keys", x, w, extra, pdl, None)
+    most = -(-w.shape[0] // 8)  # tiles of one 8-feature tile a block: the most any form takes
+    if keys.ndim != 2 or keys.shape[0] != x.shape[0] or keys.shape[1] < most:
+        raise ValueError(f"gemv_keys: keys needs ({x.shape[0]}, >= {most}), got {keys.shape}")
+    return _launch("gemv_keys", x, w, (out, keys, i32(keys.shape[1])), pdl, None)
 
 
 def gemv_silu(x: cp.ndarray, w, out: cp.ndarray, pdl: bool = False, norm: NormIn | None = None) -> cp.ndarray:

@@ -5,7 +5,8 @@
 // Thresholds come from the few tokens that can pass them, gathered into shared memory
 // (sample_few), or, where those are many, by bisection over the values' bit patterns
 // (sample_bisect); a row with a temperature alone draws in two levels (sample_all).
-// One block of 1024 threads per row; rows whose parameters say "nothing to do" are cheap.
+// One block of 1024 threads per row; rows whose parameters say "nothing to do" are cheap, and
+// a plain greedy row given the LM head's greedy keys (gemv.cu's gemv_keys) reads those alone.
 #include "common.cuh"
 
 #define THREADS 1024
