@@ -129,6 +129,32 @@ def test_embedding(dtype):
     table16 = to_dev(table, dtype)
     out = embedding(cp.asarray(ids), table16, out=cp.zeros((13, 40), table16.dtype))
     np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(table16)[ids])
+    # rows of more values than a block's threads hold before the wait (embedding.cu's HELD)
+    wide = rng.standard_normal((7, 8200)).astype(np.float32)
+    out = embedding(cp.asarray(ids % 7), to_dev(wide, dtype))
+    np.testing.assert_array_equal(cp.asnumpy(out), rounded(wide, dtype)[ids % 7])
+
+
+def test_embedding_reads_ids_from_a_mapped_host_side():
+    """A decode graph's embedding reads its ids and sources from the host side in place
+    (StagedInputs.mapped, the side stage_in copies): each side's own values, as written after
+    the views were made, and a token the step before sampled where the source says so."""
+    from engine.runner.cuda_runner import StagedInputs
+    from kernels_cuda.embedding import embedding
+    table = to_dev(rng.standard_normal((50, 24)).astype(np.float32), "float16")
+    inputs = StagedInputs({"input_ids": (np.int32, (8,)), "token_src": (np.int32, (8,))})
+    sampled = cp.asarray([41, 42, 43], np.int32)
+    for _ in range(2):
+        h = inputs.writable()  # each side in turn
+        h["input_ids"][:] = np.arange(8) + 10 * inputs.side
+        h["token_src"][:] = -1
+        h["token_src"][3] = 2
+    for side in (0, 1):
+        m = inputs.mapped[side]
+        out = embedding(m["input_ids"][:5], table, src=m["token_src"][:5], sampled=sampled)
+        expect = np.arange(5) + 10 * side
+        expect[3] = 43
+        np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(table).astype(np.float32)[expect])
 
 
 @pytest.mark.parametrize("nbytes", [16, 4096 + 48, 1 << 20])

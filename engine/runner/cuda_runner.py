@@ -346,8 +346,8 @@ class StagedInputs:
     in a single copy. The host side has two copies used in turn: `writable` hands out the one
     the step before last uploaded from, so a step launched ahead fills its inputs while the
     previous step's copy (queued behind the step before it) may not have run yet. The host
-    sides are mapped: a decode graph's first kernel reads its side itself (`stage_in`, `read`).
-    fields: name -> (dtype, shape)."""
+    sides are mapped: a decode graph's first kernel reads its side itself (`stage_in`, `read`),
+    and its embedding reads the token ids there too (`mapped`). fields: name -> (dtype, shape)."""
 
     def __init__(self, fields: dict[str, tuple[np.dtype, tuple[int, ...]]]) -> None:
         offsets, total = {}, 0
@@ -371,6 +371,12 @@ class StagedInputs:
             name: self.device_bytes[off:off + n].view(dtype).reshape(shape)
             for name, (dtype, shape) in fields.items() for off, n in [offsets[name]]}
         self._ends = {name: off + n for name, (off, n) in offsets.items()}
+        device = cp.cuda.Device().id
+        # each host side's fields as the device reads them in place (mapped: the host address)
+        self.mapped: list[dict[str, cp.ndarray]] = [
+            {name: cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(
+                cp.cuda.UnownedMemory(pinned.ptr + offsets[name][0], offsets[name][1], pinned, device), 0))
+             for name, (dtype, shape) in fields.items()} for pinned in self._pinned]
 
     @property
     def host(self) -> dict[str, np.ndarray]:
@@ -1253,11 +1259,13 @@ class CudaRunner:
         inputs read from that host side first (StagedInputs.stage_in; the decode graphs), else
         as uploaded before it."""
         b, w = self.buffers, self.weights
+        d = b.inputs.dev
+        ids = d  # where the embedding reads its ids: the device copy, or the host side stage_in reads
         if side is not None:
             b.inputs.stage_in(side, "banned_n")
-        d = b.inputs.dev
-        embedding(d["input_ids"][:n], w.embed_tokens, self._residual(n), pdl=self._launch_pdl,
-                  src=d["token_src"][:n], sampled=b.sampled)
+            ids = b.inputs.mapped[side]  # stage_in lets the embedding start before the copy is done
+        embedding(ids["input_ids"][:n], w.embed_tokens, self._residual(n), pdl=self._launch_pdl,
+                  src=ids["token_src"][:n], sampled=b.sampled)
 
         def attention(offset: int) -> None:
             self._decode_attention(n, b.q_rot[:n], d["k_ptrs"][:n], d["v_ptrs"][:n], d["kv_lens"][:n], offset)
