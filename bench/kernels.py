@@ -377,9 +377,10 @@ def profile_graph(shape_name: str, batch: int, context: int, kv_dtype: str = "au
 def capture_decode_graph(runner, batch: int):
     """A graph of the runner's decode body for `batch` rows, its kernels launched with programmatic
     dependent launch where the runner's graphs use it (CudaRunner._capture_graphs)."""
+    from kernels_cuda._module import early_triggers
     runner._launch_pdl = runner.pdl
     try:
-        with runner.stream:
+        with runner.stream, early_triggers(runner.early_launch):
             runner.stream.begin_capture()
             runner._decode_body(batch)
             return runner.stream.end_capture()

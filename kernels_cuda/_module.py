@@ -19,6 +19,19 @@ KERNEL_DIR = Path(__file__).resolve().parent
 SCALAR_DTYPES = (np.dtype(np.float16), np.dtype(np.uint16))  # fp16, bf16 bits
 
 _MODULES: dict[tuple, cp.RawModule] = {}
+_early = False  # early_triggers: modules built now let the next kernel launch before their wait
+
+
+@contextlib.contextmanager
+def early_triggers(on: bool = True):
+    """Kernels launched inside come from modules built with -DEARLY_TRIGGER=1 where `on`
+    (common.cuh's PDL_ENTER: the next kernel may launch before their wait)."""
+    global _early
+    before, _early = _early, on
+    try:
+        yield
+    finally:
+        _early = before
 
 
 def module(family: str, arch: str | None = None, **defines: int) -> cp.RawModule:
@@ -27,6 +40,8 @@ def module(family: str, arch: str | None = None, **defines: int) -> cp.RawModule
     device's own."""
     if _timeline is not None:
         defines["STAMPS"] = 2 if _timeline.points else 1
+    if _early:
+        defines["EARLY_TRIGGER"] = 1
     key = (family, arch, tuple(sorted(defines.items())))
     mod = _MODULES.get(key)
     if mod is None:

@@ -47,15 +47,17 @@ __device__ __forceinline__ res_t res_from_float(float x) { return x; }
 
 // Programmatic dependent launch (Hopper): a kernel launched with the programmatic
 // stream-serialization attribute may start while the previous one finishes; it must
-// wait for that one's results before touching memory the previous kernels write, and
-// lets the next kernel start at once. Every kernel opens with PDL_ENTER() (the matrix
-// products first prefetch their weights, which nothing writes). Since every kernel lets the
-// next one start only after its own wait, a kernel starts after the one before the previous
-// has completed: before its wait it may also read what only kernels two or more before it, or
-// copies before them, write. A step's staged inputs (positions, K/V pointers and lengths,
-// sampling parameters: a copy, or stage_in two or more kernels ahead) are read there by
-// flash_decode, gemv.cu's RopeKV and sample_tokens. Without the attribute (or before sm_90) both
-// are no-ops.
+// wait for that one's results before touching memory the previous kernels write. Every kernel
+// opens with PDL_ENTER() (the matrix products first prefetch their weights, which nothing
+// writes), which lets the next kernel start after its wait, or with -DEARLY_TRIGGER=1
+// (_module.early_triggers: small models' decode graphs) before it, so that the next kernel's
+// loads before its own wait overlap this one whole. Either way a kernel's wait returns once the
+// kernels before it have completed. Before its wait a kernel reads only what nothing in the step
+// writes (weights, earlier steps' keys) and the step's staged inputs (positions, K/V pointers
+// and lengths, sampling parameters: flash_decode, gemv.cu's RopeKV, sample_tokens), which a copy
+// before the step or stage_in wrote: the embedding after stage_in opens with PDL_ENTER_LATE(),
+// so the kernel after it starts once stage_in is done. Without the attribute (or before sm_90)
+// these are no-ops.
 // -DSTAMPS=1 (bench/kernels.py --timeline): block (0, 0, 0) of every kernel also writes the
 // global timer, past the wait, to the next slot of stamp_buf (_module.Timeline sets it; its
 // first word counts the slots taken), so a graph's kernels can be timed where they run, PDL
@@ -82,8 +84,18 @@ __device__ __forceinline__ void stamp() {}
     do {                              \
         if (STAMPS >= 2) stamp();     \
     } while (0)
+#ifndef EARLY_TRIGGER  // 1: PDL_ENTER lets the next kernel launch before this one's wait (see above)
+#define EARLY_TRIGGER 0
+#endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define PDL_ENTER()                                            \
+#define PDL_ENTER()                                                                \
+    do {                                                                           \
+        if (EARLY_TRIGGER) asm volatile("griddepcontrol.launch_dependents;" :::);  \
+        asm volatile("griddepcontrol.wait;" ::: "memory");                         \
+        stamp();                                                                   \
+        if (!EARLY_TRIGGER) asm volatile("griddepcontrol.launch_dependents;" :::); \
+    } while (0)
+#define PDL_ENTER_LATE()                                       \
     do {                                                       \
         asm volatile("griddepcontrol.wait;" ::: "memory");     \
         stamp();                                               \
@@ -94,6 +106,7 @@ __device__ __forceinline__ void stamp() {}
     do {            \
         stamp();    \
     } while (0)
+#define PDL_ENTER_LATE() PDL_ENTER()
 #endif
 
 #define NEG_INF (__int_as_float(0xff800000))

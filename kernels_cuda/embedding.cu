@@ -25,7 +25,7 @@ extern "C" __global__ void embedding(const int *__restrict__ ids, const int *__r
         const int i = threadIdx.x + j * blockDim.x;
         if (i < hidden) v[j] = res_from_float(to_float(row[i]));
     }
-    PDL_ENTER();
+    PDL_ENTER_LATE();  // the next kernel may read stage_in's words before its wait
     res_t *o = out + t * hidden;
 #pragma unroll
     for (int j = 0; j < HELD; j++) {

@@ -31,6 +31,7 @@ VARIANTS = {"flash_decode": [{"HEAD_DIM": 64, "GROUP": 3}, {"HEAD_DIM": 128, "GR
                              {"HEAD_DIM": 64, "GROUP": 3, "TG": 4, "BUFS": 8, "AHEAD": 8},  # tile groups
                              {"HEAD_DIM": 128, "GROUP": 16, "TG": 4, "BUFS": 4, "AHEAD": 4},
                              {"HEAD_DIM": 64, "GROUP": 3, "TG": 4, "BUFS": 8, "AHEAD": 8, "STAMPS": 2},  # --points
+                             {"HEAD_DIM": 64, "GROUP": 3, "TG": 4, "BUFS": 8, "AHEAD": 8, "EARLY_TRIGGER": 1},
                              {"HEAD_DIM": 128, "GROUP": 4, "KV_FP8": 1, "SWAP": 1, "MIN_BLOCKS": 4, "QK_WGMMA": 1,
                               "BUFS": 4, "AHEAD": 4, "STAMPS": 2},
                              {"HEAD_DIM": 128, "GROUP": 4, "KV_FP8": 1, "WHOLE": 256},
@@ -55,7 +56,7 @@ VARIANTS = {"flash_decode": [{"HEAD_DIM": 64, "GROUP": 3}, {"HEAD_DIM": 128, "GR
                         {"ROW_THREADS": 32, "HIDDEN": 256, "RES16": 1, "ROW_BIAS": 1},
                         {"ROW_THREADS": 128, "HIDDEN": 4096, "RES16": 1, "QUANT_OUT": 1, "ROW_DELTA": 0}],
             "quant": [{}, {"Q_ROW_THREADS": 128, "Q_K": 4096}, {"Q_ROW_THREADS": 32, "Q_K": 256}],
-            "embedding": [{}, {"RES16": 1}],
+            "embedding": [{}, {"RES16": 1}, {"EARLY_TRIGGER": 1}],  # small models' decode graphs
             "rescore": [{}, {"CAND": 1}, {"CAND": 32}],
             "gemv": [{}, {"HEAD_DIM": 64, "KV_FP8": 1}, {"DEPTH": 4}, {"W_FP8": 1}, {"W_FP8": 1, "DEPTH": 4},
                      {"PRELOAD": 1}, {"PRELOAD": 1, "W_FP8": 1}, {"NORM_IN": 1, "HEAD_DIM": 64},

@@ -881,6 +881,31 @@ def test_graph_replay_equals_eager_bit_for_bit(smollm2):
         np.testing.assert_array_equal(cp.asnumpy(graphed.buffers.logits[:5]), cp.asnumpy(eager.buffers.logits[:5]))
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+def test_early_triggers_replay_eager_bit_for_bit(smollm2, rows, monkeypatch):
+    """With EARLY_TRIGGER_MAX_HIDDEN at SmolLM2's size, its decode graphs are built from kernels
+    that let the next one launch before their wait (common.cuh's EARLY_TRIGGER; the embedding's
+    stays after its wait): tokens and logits stay those of eager steps, bit for bit, at one row
+    (the folded norms, whose layer-0 QKV product follows the embedding) and at five."""
+    import engine.runner.cuda_runner as cr
+    from kernels_cuda import _module
+    monkeypatch.setattr(cr, "EARLY_TRIGGER_MAX_HIDDEN", 1024)
+    graphed = cuda_runner(smollm2, max_num_seqs=8)
+    eager = cuda_runner(smollm2, max_num_seqs=8, eager=True)
+    assert graphed.early_launch and graphed.graphs and not eager.graphs
+    assert any(key[0] == "gemv" and ("EARLY_TRIGGER", 1) in key[2] for key in _module._MODULES)
+    prompt = SchedulerOutput([ScheduledSeq(i, list(range(5, 15)), 0, i * 64, True, SamplingParams(temperature=0))
+                              for i in range(rows)])
+    for r in (graphed, eager):
+        r.execute(prompt)
+    for step in range(4):
+        a = graphed.execute(_decode_rows(graphed, rows, step))
+        b = eager.execute(_decode_rows(eager, rows, step))
+        assert a.sampled == b.sampled
+        np.testing.assert_array_equal(cp.asnumpy(graphed.buffers.logits[:rows]),
+                                      cp.asnumpy(eager.buffers.logits[:rows]))
+
+
 @pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
 def test_q8_0_lm_head_stays_with_its_16_bit_form(smollm2, dtype, monkeypatch):
     """SmolLM2's GGUF stores its (tied) embedding as Q8_0. Where kept as it is (cuda_runner.Q8_LM_HEAD;

@@ -34,7 +34,7 @@ import numpy as np
 from kernels_cuda import attn_block as attn_block_module
 from kernels_cuda import attn_o as attn_o_module
 from kernels_cuda import mlp_block as mlp_block_module
-from kernels_cuda._module import pdl_supported, record_event, sm_count
+from kernels_cuda._module import early_triggers, pdl_supported, record_event, sm_count
 from kernels_cuda.activation import silu_mul
 from kernels_cuda.embedding import embedding, stage_in
 from kernels_cuda.flash_decode import BLOCKS_PER_SM as FLASH_BLOCKS_PER_SM
@@ -123,6 +123,17 @@ O_PROJ_PDL_MAX_INPUT = 16 << 10
 # up to FOLD_NORM_MAX_ROWS rows (CudaRunner._fold_norms).
 FOLD_NORM_MAX_HIDDEN = 1024
 FOLD_NORM_MAX_ROWS = 1
+
+# The decode graphs of a model of hidden size <= EARLY_TRIGGER_MAX_HIDDEN are built from kernels
+# that let the next one launch before their own wait (common.cuh's EARLY_TRIGGER, all but the
+# embedding after stage_in), so that a kernel's loads before its wait (weights, earlier steps'
+# keys) overlap the whole kernel before it, not just its end. H200, decode graphs at B=1 (every
+# kernel so built against the default, alternated in one process; .devexp/s63/et.py): SmolLM2's
+# shape 326.6 -> 324.9 us at 40 keys, 337.0 -> 333.3 at 160; Llama-3-8B's at 575 keys 4,140 ->
+# 4,156 us (its products stream weights at the memory's rate, and the next one's prefetch competes
+# with them). Off (0) until the GPU tests and an A/B in the engine have run with it (1024: small
+# models, the intended setting; docs/performance.md, sixty-third session).
+EARLY_TRIGGER_MAX_HIDDEN = 0
 
 # Decode steps of a small model with the attention block as one kernel (CudaRunner._attn_block).
 # Off: on the H200 the SmolLM2 decode graphs (alternated in one process) at 511 keys took
@@ -1324,9 +1335,16 @@ class CudaRunner:
         (prefill of 128 tokens: 10.5 ms with it, 6.9 ms without)."""
         self._launch_pdl = self.pdl
         try:
-            self._capture_each_bucket()
+            with early_triggers(self.early_launch):
+                self._capture_each_bucket()
         finally:
             self._launch_pdl = False
+
+    @property
+    def early_launch(self) -> bool:
+        """Whether the decode graphs' kernels let the next one launch before their wait
+        (EARLY_TRIGGER_MAX_HIDDEN; _module.early_triggers)."""
+        return self.config.hidden_size <= EARLY_TRIGGER_MAX_HIDDEN
 
     def _capture_each_bucket(self) -> None:
         """Two graphs a bucket, one for each host side of the step inputs (their first kernel
