@@ -131,9 +131,8 @@ FOLD_NORM_MAX_ROWS = 1
 # kernel so built against the default, alternated in one process; .devexp/s63/et.py): SmolLM2's
 # shape 326.6 -> 324.9 us at 40 keys, 337.0 -> 333.3 at 160; Llama-3-8B's at 575 keys 4,140 ->
 # 4,156 us (its products stream weights at the memory's rate, and the next one's prefetch competes
-# with them). Off (0) until the GPU tests and an A/B in the engine have run with it (1024: small
-# models, the intended setting; docs/performance.md, sixty-third session).
-EARLY_TRIGGER_MAX_HIDDEN = 0
+# with them), hence small models only (docs/performance.md, sixty-third and sixty-fourth sessions).
+EARLY_TRIGGER_MAX_HIDDEN = 1024
 
 # Decode steps of a small model with the attention block as one kernel (CudaRunner._attn_block).
 # Off: on the H200 the SmolLM2 decode graphs (alternated in one process) at 511 keys took
