@@ -881,17 +881,19 @@ def test_graph_replay_equals_eager_bit_for_bit(smollm2):
         np.testing.assert_array_equal(cp.asnumpy(graphed.buffers.logits[:5]), cp.asnumpy(eager.buffers.logits[:5]))
 
 
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 5, 24])
 def test_early_triggers_replay_eager_bit_for_bit(smollm2, rows, monkeypatch):
-    """With EARLY_TRIGGER_MAX_HIDDEN at SmolLM2's size, its decode graphs are built from kernels
-    that let the next one launch before their wait (common.cuh's EARLY_TRIGGER; the embedding's
-    stays after its wait): tokens and logits stay those of eager steps, bit for bit, at one row
-    (the folded norms, whose layer-0 QKV product follows the embedding) and at five."""
+    """With EARLY_TRIGGER_MAX_HIDDEN at SmolLM2's size (the default), its decode graphs are built
+    from kernels that let the next one launch before their wait (common.cuh's EARLY_TRIGGER; the
+    embedding's stays after its wait): tokens and logits stay those of eager steps, bit for bit, at
+    one row (the folded norms, whose layer-0 QKV product follows the embedding), at five, and at 24
+    (past the skinny products' rows)."""
     import engine.runner.cuda_runner as cr
     from kernels_cuda import _module
     monkeypatch.setattr(cr, "EARLY_TRIGGER_MAX_HIDDEN", 1024)
-    graphed = cuda_runner(smollm2, max_num_seqs=8)
-    eager = cuda_runner(smollm2, max_num_seqs=8, eager=True)
+    seqs = max(8, rows)
+    graphed = cuda_runner(smollm2, max_num_seqs=seqs)
+    eager = cuda_runner(smollm2, max_num_seqs=seqs, eager=True)
     assert graphed.early_launch and graphed.graphs and not eager.graphs
     assert any(key[0] == "gemv" and ("EARLY_TRIGGER", 1) in key[2] for key in _module._MODULES)
     prompt = SchedulerOutput([ScheduledSeq(i, list(range(5, 15)), 0, i * 64, True, SamplingParams(temperature=0))
