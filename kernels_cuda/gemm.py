@@ -373,6 +373,15 @@ def _lt_product(xq: cp.ndarray, w: Fp8Matrix, out: cp.ndarray, M: int, N: int, K
 TUNE_MIN_GAIN = 0.05
 
 
+def fp8_tuned(xq: cp.ndarray, w: Fp8Matrix, out: cp.ndarray, fast_accum: bool = False) -> bool:
+    """Whether tune_gemm_fp8 has timed the products of xq's exact rows by w's shape in this
+    process (on its cuBLASLt state): a runner built after another takes the choices made then,
+    so that the two run the same algorithms; timed again, a near tie may go the other way, and
+    the first runner's captured graphs keep the old one (other bits than the second's steps)."""
+    (M, K), N = xq.shape, w.shape[0]
+    return _lt is not None and (M, N, K, _out_type(out, (np.float32, np.uint16)), fast_accum, False) in _lt.tuned
+
+
 def tune_gemm_fp8(xq: cp.ndarray, ws: list[Fp8Matrix], out: cp.ndarray, fast_accum: bool = False,
                   candidates: int = 8, reps: int = 3) -> tuple[list[float], int]:
     """Time the algorithms cuBLASLt's heuristic offers for xq @ w^T (gemm_fp8's product) over

@@ -1942,8 +1942,11 @@ def test_tuned_fp8_product_algorithm(monkeypatch, fast):
     ws = [quantize_matrix(to_dev(rng.standard_normal((N, K)).astype(np.float32) * 0.05, "float16")) for _ in range(3)]
     xq, _ = quantize_rows(to_dev(rng.standard_normal((64, K)).astype(np.float32), "float16"))
     before = {M: cp.asnumpy(G.gemm_fp8(xq[:M], ws[1], cp.zeros((M, N), np.float32), fast)) for M in (40, 64)}
-    times, used = G.tune_gemm_fp8(xq, ws, cp.zeros((64, N), np.float32), fast)
+    out64 = cp.zeros((64, N), np.float32)
+    times, used = G.tune_gemm_fp8(xq, ws, out64, fast)
     assert np.isfinite(min(times)) and min(times) > 0 and times[used] == min(times)
+    # timed now for exactly 64 rows (a runner built next takes this choice: CudaRunner._tune_products)
+    assert G.fp8_tuned(xq, ws[0], out64, fast) and not G.fp8_tuned(xq[:40], ws[0], out64[:40], fast)
     bucket = (64, N, K, G.CUDA_R_32F, fast, False)  # (rows, N, K, out type, fast, scaled in the epilogue)
     plan = G._lt.plans[bucket]
     candidates = G._lt._heuristic(*plan[:4], 64, N, K, count=8)
