@@ -191,12 +191,17 @@ class _Lt:
         M, *rest = key
         return (rows_bucket(M), *rest)
 
+    @staticmethod
+    def tuned_key(M: int, N: int, K: int, out_type: int, fast: bool) -> tuple:
+        """The plan key a tuned choice (choose) is kept under: exact rows, unscaled."""
+        return (M, N, K, out_type, fast, False)
+
     def choose(self, M: int, N: int, K: int, out_type: int, fast: bool, algo: "_HeuristicResult") -> None:
         """Use `algo` for this shape's products of exactly M rows and, where M is its bucket's power
         of two, for the bucket's other row counts that nothing was chosen for (see tune_gemm_fp8).
         Decode graphs of 160, 192 and 224 rows each take their own: those tuned for 256 rows ran
         them slower than the padded 256-row graph (docs/performance.md, fiftieth session)."""
-        exact = (M, N, K, out_type, fast, False)
+        exact = self.tuned_key(M, N, K, out_type, fast)
         self.tuned[exact] = algo
         bucket = self._bucket(exact)
         if bucket[0] == M:
@@ -379,7 +384,7 @@ def fp8_tuned(xq: cp.ndarray, w: Fp8Matrix, out: cp.ndarray, fast_accum: bool = 
     so that the two run the same algorithms; timed again, a near tie may go the other way, and
     the first runner's captured graphs keep the old one (other bits than the second's steps)."""
     (M, K), N = xq.shape, w.shape[0]
-    return _lt is not None and (M, N, K, _out_type(out, (np.float32, np.uint16)), fast_accum, False) in _lt.tuned
+    return _lt is not None and _Lt.tuned_key(M, N, K, _out_type(out, (np.float32, np.uint16)), fast_accum) in _lt.tuned
 
 
 def tune_gemm_fp8(xq: cp.ndarray, ws: list[Fp8Matrix], out: cp.ndarray, fast_accum: bool = False,

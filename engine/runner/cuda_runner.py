@@ -1357,6 +1357,7 @@ class CudaRunner:
             self.buffers.inputs.writable()
             self._fill_padding(0, self.rows)
         self.buffers.inputs.upload(self.stream)
+        early = self.early_launch
         for bucket in BUCKETS:
             if bucket > self.rows:
                 break
@@ -1364,8 +1365,8 @@ class CudaRunner:
                 # warm-up: compiles, cuBLAS picks algorithms; with early triggers, the modules of
                 # both forms (eager steps, ragged ones among them, launch the plain form)
                 self._decode_body(bucket, side=0)
-                with early_triggers(self.early_launch):
-                    if self.early_launch:
+                with early_triggers(early):
+                    if early:
                         self._decode_body(bucket, side=0)
                     self.stream.synchronize()
                     graphs = []
