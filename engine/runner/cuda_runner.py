@@ -132,10 +132,10 @@ FOLD_NORM_MAX_ROWS = 1
 # shape 326.6 -> 324.9 us at 40 keys, 337.0 -> 333.3 at 160; Llama-3-8B's at 575 keys 4,140 ->
 # 4,156 us (its products stream weights at the memory's rate, and the next one's prefetch competes
 # with them), hence small models only; SmolLM2's GGUF in the engine, B=1 / 16: +0.8-2.7 % / +10 %.
-# Not with fp8 layer weights: in the one run of the whole GPU runner file with it on, a tiny fp8
-# model's test of the residual added in the products' epilogue at 24 decode rows (the graph
-# against eager steps) failed, its message unseen; until that is understood fp8 keeps the default
-# form (docs/performance.md, sixty-third and sixty-fourth sessions).
+# Not with fp8 layer weights: their graphs of SmolLM2's shape at 160 keys are slower with it at 1-12
+# rows (-6.6 to -11.6 %), faster only at 16 (+5.6 %) and the same from 24 (H200; docs/performance.md,
+# sixty-fifth session).
+# (The GPU runner tests whose names hold fp8, and the residual-add ones, pass with it on: 27 of 27.)
 EARLY_TRIGGER_MAX_HIDDEN = 1024
 
 # Decode steps of a small model with the attention block as one kernel (CudaRunner._attn_block).
