@@ -218,6 +218,8 @@ def _run_part(args, part: int):
 # the server's latency histograms (server/metrics.py) read before and after an HTTP load
 SERVER_HISTOGRAMS = {"server_ttft_ms": "cuserve_time_to_first_token_seconds",
                      "server_queue_ms": "cuserve_request_queue_time_seconds",
+                     # of which before the engine took the request in (the trip to its process, its loop's wait)
+                     "server_inbox_ms": "cuserve_request_inbox_time_seconds",
                      # how late the server's event loop ran a 10-ms timer (samples, not requests)
                      "server_loop_lag_ms": "cuserve_event_loop_lag_seconds"}
 
@@ -280,10 +282,11 @@ def server_histograms(args) -> dict:
 def run(args) -> dict:
     """The HTTP load, from one client process or --processes of them (a single Python
     client can fall behind the server's events at hundreds of streams). With a cuserve
-    server, also its own TTFT and queue time over the load (arrival at the engine to the
-    first token / the first step: server_ttft_ms, server_queue_ms; the client processes'
-    one warm-up request each included), so the HTTP path's share of the client's TTFT shows,
-    and how late its event loop ran (server_loop_lag_ms: the HTTP side falling behind)."""
+    server, also its own TTFT and queue time over the load (from the request handed to the
+    engine's API in the HTTP process to the first token / the first step: server_ttft_ms,
+    server_queue_ms, of which server_inbox_ms until the engine's loop took it in; the client
+    processes' one warm-up request each included), so the HTTP path's share of the client's
+    TTFT shows, and how late its event loop ran (server_loop_lag_ms: the HTTP side falling behind)."""
     before = server_histograms(args)
     args.start_at = None
     with GpuClocks(gpu_clocks_wanted(args)) as clocks:

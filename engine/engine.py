@@ -721,6 +721,7 @@ class Engine(EngineAPI):
             if kind == "add":
                 self._last_arrival = time.perf_counter()
                 request, sink = item
+                request.timings.received = time.monotonic()
                 try:
                     self.scheduler.add_request(request, self._rng_seeds(request.params))
                 except (ValueError, QueueFullError) as exc:

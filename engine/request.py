@@ -132,6 +132,7 @@ class SeqStatus(enum.Enum):
 @dataclass
 class RequestTimings:
     arrival: float = field(default_factory=time.monotonic)
+    received: float | None = None  # the engine took it from its inbox (Engine._drain_inbox), between steps
     first_scheduled: float | None = None
     first_token: float | None = None
     last_token: float | None = None

@@ -113,6 +113,10 @@ class Metrics(EngineObserver):
                  ("inter_token_latency_seconds", "Time between two output tokens of a sequence.", LATENCY_BUCKETS),
                  ("e2e_request_latency_seconds", "Time from arrival to the last output.", LATENCY_BUCKETS),
                  ("request_queue_time_seconds", "Time from arrival to the first scheduled step.", LATENCY_BUCKETS),
+                 # of which the part before the scheduler saw it: a time of a few ms, as the loop's lag
+                 ("request_inbox_time_seconds", "Time from arrival to the engine taking the request in: its trip to "
+                  "the engine's process and the wait for the engine's loop, which takes requests in between "
+                  "steps.", LOOP_LAG_BUCKETS),
                  ("event_loop_lag_seconds", "How late the HTTP event loop ran a timer: the time a callback "
                   f"waited behind the loop's other work (sampled every {LOOP_LAG_INTERVAL_S * 1e3:g} ms; summed "
                   "over the HTTP processes).", LOOP_LAG_BUCKETS)]
@@ -129,7 +133,7 @@ class Metrics(EngineObserver):
         for name, help, buckets in specs:
             self.hists.append(Histogram(name, help, buckets, rows, process, base))
             base += len(buckets) + 3
-        self.ttft, self.itl, self.e2e, self.queue, self.loop_lag = self.hists
+        self.ttft, self.itl, self.e2e, self.queue, self.inbox, self.loop_lag = self.hists
         self._rows, self._mine, self._http_base = rows, rows[process], base
         self.paths: list[str] = []  # the HTTP counters' paths (the app's, then "other"), in every process alike
         self._path_index: dict[str, int] = {}
@@ -147,6 +151,8 @@ class Metrics(EngineObserver):
             self.ttft.observe(t.first_token - t.arrival)
             if t.first_scheduled is not None:
                 self.queue.observe(t.first_scheduled - t.arrival)
+            if t.received is not None:
+                self.inbox.observe(t.received - t.arrival)
 
     def on_token_gap(self, seconds: float) -> None:
         with self._lock:

@@ -13,8 +13,8 @@ from server.metrics import Metrics
 
 
 def reading(metrics: Metrics) -> dict:
-    return parse_histograms("\n".join(metrics.ttft.render() + metrics.queue.render() + metrics.loop_lag.render()),
-                            SERVER_HISTOGRAMS.values())
+    hists = (metrics.ttft, metrics.queue, metrics.inbox, metrics.loop_lag)
+    return parse_histograms("\n".join(line for h in hists for line in h.render()), SERVER_HISTOGRAMS.values())
 
 
 def test_the_load_s_share_of_the_server_s_histograms():
@@ -23,7 +23,7 @@ def test_the_load_s_share_of_the_server_s_histograms():
     for v in (0.05, 0.07):  # before the load: not counted
         metrics.ttft.observe(v)
     before = reading(metrics)
-    assert set(before) == {ttft, queue, SERVER_HISTOGRAMS["server_loop_lag_ms"]}
+    assert set(before) == set(SERVER_HISTOGRAMS.values())
     values = (0.11, 0.12, 0.13, 0.14, 0.18, 0.25, 12.0)  # the last past every finite bound but 20 s
     for v in values:
         metrics.ttft.observe(v)
@@ -40,6 +40,22 @@ def test_the_load_s_share_of_the_server_s_histograms():
 
 def test_a_server_without_the_histograms_gives_none():
     assert parse_histograms("# a server of another kind\nrequests_total 3\n", SERVER_HISTOGRAMS.values()) == {}
+
+
+def test_the_queue_time_and_its_part_before_the_engine_took_the_request_in():
+    """A first token's timings: the queue time (arrival to the first step) and, where the engine
+    stamped when its loop took the request from its inbox, the part before that."""
+    from engine.request import RequestTimings
+    metrics = Metrics()
+    before = reading(metrics)
+    metrics.on_first_token(RequestTimings(arrival=10.0, received=10.004, first_scheduled=10.05, first_token=10.09))
+    metrics.on_first_token(RequestTimings(arrival=20.0, first_scheduled=20.03, first_token=20.07))  # no stamp
+    after = reading(metrics)
+    queue, inbox = (histogram_delta(before[SERVER_HISTOGRAMS[k]], after[SERVER_HISTOGRAMS[k]])
+                    for k in ("server_queue_ms", "server_inbox_ms"))
+    assert queue["requests"] == 2 and math.isclose(queue["mean"], 40.0)
+    assert inbox["requests"] == 1 and math.isclose(inbox["mean"], 4.0)
+    assert 2.0 <= inbox["p50"] <= 5.0  # within its bucket, (2, 5] ms
 
 
 def test_the_server_s_loop_lag_counts_a_blocked_loop():

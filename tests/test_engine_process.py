@@ -107,6 +107,8 @@ def test_observer_calls_come_back(proc):
     assert kinds == ["first", "gap", "gap", "gap", "gap", "finished"]
     first, finished = recorder.calls[0][1], recorder.calls[-1][1]
     assert first.arrival <= first.first_token and finished.finished >= finished.first_token
+    # stamped in this process, then by the engine's loop in its own (one clock: time.monotonic)
+    assert first.arrival <= first.received <= first.first_scheduled <= first.first_token
     assert all(0 <= value < 60 for kind, value in recorder.calls if kind == "gap")
 
 

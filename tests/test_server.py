@@ -372,10 +372,12 @@ def test_metrics_exposition(client):
                  "cuserve_prompt_tokens_total", "cuserve_generation_tokens_total",
                  "cuserve_time_to_first_token_seconds_bucket", "cuserve_inter_token_latency_seconds_count",
                  "cuserve_e2e_request_latency_seconds_sum", "cuserve_request_queue_time_seconds_count",
+                 "cuserve_request_inbox_time_seconds_count",
                  "cuserve_num_preemptions_total", "cuserve_num_catch_up_steps_total"):
         assert name in text, name
     assert metric(client, "cuserve_generation_tokens_total") >= 3
     assert metric(client, "cuserve_time_to_first_token_seconds_count") >= 1
+    assert metric(client, "cuserve_request_inbox_time_seconds_count") >= 1  # the engine's loop took it in
     assert metric(client, "cuserve_event_loop_lag_seconds_count") >= 1  # the server's loop, every 10 ms
     if DEVICE == "cuda":  # the GPU runner times its decode steps against the measured bandwidth
         assert 0.0 < metric(client, "cuserve_decode_roofline_fraction") <= 1.5
