@@ -20,7 +20,10 @@ step of 250 decode rows + 1,791 prompt tokens (29.1 ms), both p50s of bench/serv
 loads, and a lone 512-token prompt's TTFT (7.92 ms, bench/prefill.py). With it, the engine
 alone here came to 12,541 / 12,547 tok/s on a 2-core CPU; the GPU's own loads gave 12,436-12,509.
 (The earlier model, 1.0 ms + 28 us + 14.6 us, was fitted at ~10k tok/s.) The numbers depend on
-the host's CPU: compare runs on one machine. --schedule-prompts-ahead and
+the host's CPU: compare runs on one machine. The model is linear, so it cannot judge the token
+budget: a prompt token costs the GPU ~5 % more in a step of 1,282 prompt tokens than in one of
+1,795, which the stand-in misses (a budget of 1,536: -0.4 % tok/s here, -4.4 % on the GPU;
+docs/performance.md, sixty-fifth session). --schedule-prompts-ahead and
 --late-ahead set the server's settings of those names in both runs (the stand-in marks the last
 quarter of a step with prompt tokens for --late-ahead, as the CUDA runner does; --sim-mark-decode:
 of decode-only steps too).
