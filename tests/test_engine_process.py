@@ -219,6 +219,11 @@ def test_clients_on_other_links_get_their_own_outputs_and_the_observer_stays_on_
             tokens = [[t for o in x for t in o.outputs[0].token_ids] for x in (outs, lone)]
             assert tokens[0] == tokens[1]
             assert outs[-1].finished and outs[-1].error is None and len({o.request_id for o in outs}) == 1
+        # a step's message goes to every link, each read on its own thread: link 0's (with the
+        # observer's calls) may be read after another link's last output has ended that one's stream
+        deadline = time.monotonic() + 10.0
+        while [kind for kind, _ in recorders[0].calls].count("finished") < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert [kind for kind, _ in recorders[0].calls].count("finished") == 3
         assert recorders[1].calls == [] and recorders[2].calls == []
         assert clients[1].stats.generation_tokens == engine.stats.generation_tokens >= 6 * 8
