@@ -120,12 +120,13 @@ class SimRunner:
 
 
 class EngineTimes:
-    """Engine-side first-token and queue times (arrival to first token / first step), by
-    wrapping the engine's observer."""
+    """Engine-side first-token and queue times (arrival to first token / first step; of the
+    queue, the part until the engine's loop took the request in), by wrapping the engine's observer."""
 
     def __init__(self, engine) -> None:
         self.ttft: list[float] = []
         self.queue: list[float] = []
+        self.inbox: list[float] = []
         observer = engine.observer
         first = observer.on_first_token
 
@@ -133,14 +134,17 @@ class EngineTimes:
             self.ttft.append(t.first_token - t.arrival)
             if t.first_scheduled is not None:
                 self.queue.append(t.first_scheduled - t.arrival)
+            if t.received is not None:
+                self.inbox.append(t.received - t.arrival)
             first(t)
         observer.on_first_token = on_first_token
 
     def report(self) -> dict:
-        return {"engine_ttft_ms": serve.stats(self.ttft), "engine_queue_ms": serve.stats(self.queue)}
+        return {"engine_ttft_ms": serve.stats(self.ttft), "engine_queue_ms": serve.stats(self.queue),
+                "engine_inbox_ms": serve.stats(self.inbox)}
 
     def reset(self) -> None:
-        self.ttft, self.queue = [], []
+        self.ttft, self.queue, self.inbox = [], [], []
 
 
 def sim_config(args):
@@ -276,7 +280,8 @@ def report(name: str, s: dict) -> None:
     idle = ", ".join(f"{k} {v['idle_s']:.2f}s / {v['steps']} steps" for k, v in s["idle_before"].items())
     print(f"{name}: {s['output_throughput']:.1f} output tok/s, {s['completed']}/{s['num_prompts']} ok in "
           f"{s['duration_s']:.2f}s; TTFT p50 client {s['ttft_ms']['p50']:.1f} ms, engine "
-          f"{s['engine_ttft_ms']['p50']:.1f} ms (queue {s['engine_queue_ms']['p50']:.1f} ms); TPOT p50 "
+          f"{s['engine_ttft_ms']['p50']:.1f} ms (queue {s['engine_queue_ms']['p50']:.1f} ms, inbox "
+          f"{s['engine_inbox_ms']['p50']:.1f} ms); TPOT p50 "
           f"{s['tpot_ms']['p50']:.2f} ms")
     print(f"  stand-in GPU busy {s['gpu_busy_s']:.2f}s; idle before {idle}")
     if "server_cpu_s" in s:
