@@ -8,10 +8,12 @@ The load is bench/serve.py's (random prompts, ignore_eos, streaming, a concurren
 It runs the load twice, on the engine alone (in this process) and over HTTP (the server in a
 child process, the client in --processes processes), and prints for each: output tok/s, TTFT
 p50 seen by the client and by the engine (arrival to first token; the gap is the HTTP path),
-the engine's queue time, the stand-in GPU's busy time and its idle time before each kind of
-step (time the host kept it waiting), and for HTTP the server process's CPU per output token
-(and the engine process's CPU). The HTTP run's engine runs in a process of its own, as the
-server's does by default; --no-engine-process puts it on a thread of the server's process.
+the engine's queue time (and its part before the engine's loop took the request in), the
+stand-in GPU's busy time and its idle time before each kind of step (time the host kept it
+waiting), how bunched the requests arrived and finished after the load's first wave (counts in
+20-ms bins), and for HTTP the server process's CPU per output token (and the engine process's
+CPU). The HTTP run's engine runs in a process of its own, as the server's does by default;
+--no-engine-process puts it on a thread of the server's process.
 
 The default cost model is the H200's for Llama-3-8B with fp8 weights and fp8 K/V, bfloat16,
 as of the fifty-fifth session (docs/performance.md): 1.69 ms a step + 22.4 us a decode row +
@@ -45,6 +47,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import serve
+
+
+BIN_S = 0.02  # EngineTimes: arrivals and finishes counted in bins of this many seconds
 
 
 class SimRunner:
@@ -119,32 +124,59 @@ class SimRunner:
                 "idle_before": {k: {"steps": n, "idle_s": s} for k, (n, s) in sorted(self.idle.items())}}
 
 
+def bunching(times: list[float], start: float, end: float, bin_s: float = BIN_S) -> dict[str, int]:
+    """How bunched `times` came between start and end: the counts in bins of bin_s seconds,
+    p50 / p99 / max (and how many fell there)."""
+    inside = [t for t in times if start <= t <= end]
+    bins = int((end - start) / bin_s) + 1 if end >= start else 0
+    counts = [0] * bins
+    for t in inside:
+        counts[min(bins - 1, int((t - start) / bin_s))] += 1
+    counts.sort()
+    if not counts:
+        return {"n": 0, "p50": 0, "p99": 0, "max": 0}
+    p99 = counts[min(len(counts) - 1, int(0.99 * len(counts)))]
+    return {"n": len(inside), "p50": counts[len(counts) // 2], "p99": p99, "max": counts[-1]}
+
+
 class EngineTimes:
     """Engine-side first-token and queue times (arrival to first token / first step; of the
-    queue, the part until the engine's loop took the request in), by wrapping the engine's observer."""
+    queue, the part until the engine's loop took the request in), by wrapping the engine's
+    observer; and how bunched the requests arrived and finished after the load's first wave
+    (`report(skip)`: from the arrival of request `skip`, the first one sent after another ended,
+    under a fixed concurrency of skip). Over HTTP on a short CPU they come in bursts that the
+    steps drain at a few prompts each (docs/performance.md, sixty-fifth session)."""
 
     def __init__(self, engine) -> None:
-        self.ttft: list[float] = []
-        self.queue: list[float] = []
-        self.inbox: list[float] = []
+        self.reset()
         observer = engine.observer
-        first = observer.on_first_token
+        first, finished = observer.on_first_token, observer.on_finished
 
         def on_first_token(t) -> None:
             self.ttft.append(t.first_token - t.arrival)
+            self.arrivals.append(t.arrival)
             if t.first_scheduled is not None:
                 self.queue.append(t.first_scheduled - t.arrival)
             if t.received is not None:
                 self.inbox.append(t.received - t.arrival)
             first(t)
-        observer.on_first_token = on_first_token
 
-    def report(self) -> dict:
+        def on_finished(t) -> None:
+            self.finishes.append(t.finished)
+            finished(t)
+        observer.on_first_token, observer.on_finished = on_first_token, on_finished
+
+    def report(self, skip: int) -> dict:
+        arrivals = sorted(self.arrivals)
+        start, end = (arrivals[skip], arrivals[-1]) if len(arrivals) > skip else (0.0, 0.0)
         return {"engine_ttft_ms": serve.stats(self.ttft), "engine_queue_ms": serve.stats(self.queue),
-                "engine_inbox_ms": serve.stats(self.inbox)}
+                "engine_inbox_ms": serve.stats(self.inbox),
+                "arrivals_per_bin": bunching(arrivals, start, end),
+                "finishes_per_bin": bunching(self.finishes, start, end)}
 
     def reset(self) -> None:
         self.ttft, self.queue, self.inbox = [], [], []
+        self.arrivals, self.finishes = [], []
 
 
 def sim_config(args):
@@ -209,7 +241,7 @@ def serve_child(args) -> None:
         tokens = engine.stats.generation_tokens - mark["tokens"]
         cpu = time.process_time() - mark["cpu"]
         line = {"server_cpu_s": cpu, "tokens": tokens, "server_cpu_us_per_token": cpu / max(tokens, 1) * 1e6,
-                **report, **times.report()}
+                **report, **times.report(args.concurrency)}
         if args.engine_process:
             line["engine_cpu_s"] = engine_cpu - mark["engine_cpu"]
         print("SIM " + json.dumps(line), flush=True)
@@ -243,7 +275,8 @@ async def engine_run(args) -> dict:
             prompts, args.concurrency, args.request_rate, args.seed + 1, args.output_len, send)
     finally:
         engine.shutdown()
-    return {**serve.summarize(args, args.model, results, end - start), **runner.report(), **times.report()}
+    return {**serve.summarize(args, args.model, results, end - start), **runner.report(),
+            **times.report(args.concurrency)}
 
 
 def http_run(args) -> dict:
@@ -284,6 +317,9 @@ def report(name: str, s: dict) -> None:
           f"{s['engine_inbox_ms']['p50']:.1f} ms); TPOT p50 "
           f"{s['tpot_ms']['p50']:.2f} ms")
     print(f"  stand-in GPU busy {s['gpu_busy_s']:.2f}s; idle before {idle}")
+    a, f = s["arrivals_per_bin"], s["finishes_per_bin"]
+    print(f"  after the first wave, a {BIN_S * 1e3:g}-ms bin: arrivals p50 {a['p50']}, p99 {a['p99']}, max {a['max']}; "
+          f"finishes p50 {f['p50']}, p99 {f['p99']}, max {f['max']}")
     if "server_cpu_s" in s:
         engine = f"; engine process CPU {s['engine_cpu_s']:.2f}s" if "engine_cpu_s" in s else ""
         print(f"  server process CPU {s['server_cpu_s']:.2f}s for {s['tokens']} tokens: "

@@ -46,3 +46,20 @@ def test_the_stand_in_marks_the_near_end_of_steps_with_prompts_only():
         assert mark == runner.busy_until - 0.040 / 4
         runner.submit(decode)  # chained behind it: ends 200 ms later
         assert runner.near_end == (runner.busy_until - 0.2 / 4 if mark_decode else mark)
+
+
+def test_bunching_counts_arrivals_in_bins():
+    """host.bunching: counts in bins of 20 ms between start and end, their p50 / p99 / max; times
+    outside the window are left out."""
+    times = [0.0, 0.001, 0.002, 0.003, 0.015, 0.05, 0.07, 0.5, 9.0]  # 9.0: past the end
+    got = host.bunching(times, 0.0, 0.1)  # 6 bins: 5 in the first (4 at once and 0.015), then 0, 1, 1, 0, 0
+    assert got == {"n": 7, "p50": 1, "p99": 5, "max": 5}  # sorted counts 0, 0, 0, 1, 1, 5
+    assert host.bunching(times, 0.2, 0.2)["max"] == 0  # an empty window
+    assert host.bunching([], 0.0, 1.0) == {"n": 0, "p50": 0, "p99": 0, "max": 0}
+
+
+def test_engine_run_reports_how_bunched_requests_came_after_the_first_wave():
+    r = run()
+    # 24 requests 8 at a time: from the 9th arrival (the first sent after another ended) to the last
+    assert r["arrivals_per_bin"]["n"] == 24 - 8
+    assert 1 <= r["arrivals_per_bin"]["max"] <= 16 and 1 <= r["finishes_per_bin"]["max"]
