@@ -155,10 +155,9 @@ class EngineTimes:
         def on_first_token(t) -> None:
             self.ttft.append(t.first_token - t.arrival)
             self.arrivals.append(t.arrival)
-            if t.first_scheduled is not None:
-                self.queue.append(t.first_scheduled - t.arrival)
-            if t.received is not None:
-                self.inbox.append(t.received - t.arrival)
+            for kept, seconds in ((self.queue, t.queue_time), (self.inbox, t.inbox_time)):
+                if seconds is not None:
+                    kept.append(seconds)
             first(t)
 
         def on_finished(t) -> None:

@@ -138,6 +138,16 @@ class RequestTimings:
     last_token: float | None = None
     finished: float | None = None
 
+    @property
+    def queue_time(self) -> float | None:
+        """Seconds from arrival to the first scheduled step (None before it)."""
+        return None if self.first_scheduled is None else self.first_scheduled - self.arrival
+
+    @property
+    def inbox_time(self) -> float | None:
+        """Of the queue time, the seconds until the engine's loop took the request in (None before it)."""
+        return None if self.received is None else self.received - self.arrival
+
 
 class Sequence:
     """One generated continuation of a request (a request with n > 1 has n of them)."""

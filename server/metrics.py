@@ -149,10 +149,9 @@ class Metrics(EngineObserver):
     def on_first_token(self, t: RequestTimings) -> None:
         with self._lock:
             self.ttft.observe(t.first_token - t.arrival)
-            if t.first_scheduled is not None:
-                self.queue.observe(t.first_scheduled - t.arrival)
-            if t.received is not None:
-                self.inbox.observe(t.received - t.arrival)
+            for hist, seconds in ((self.queue, t.queue_time), (self.inbox, t.inbox_time)):
+                if seconds is not None:
+                    hist.observe(seconds)
 
     def on_token_gap(self, seconds: float) -> None:
         with self._lock:
